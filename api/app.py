@@ -1,0 +1,34 @@
+"""The Flask application factory: `gunicorn 'api.app:create_app()'`."""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from api import metrics, problems
+from api.routes import meta, stream, tool_calls
+from api.runtime import Runtime
+from shared.settings import Settings
+from workers.celery_app import create_celery
+
+MAX_CLIENT_MESSAGE = 4096
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    settings = settings or Settings.from_env()
+    app = Flask("runwarden", static_folder=None)
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,  # 413 before the body is parsed
+        SOCK_SERVER_OPTIONS={"subprotocols": ["runwarden.v1"], "max_message_size": MAX_CLIENT_MESSAGE},
+        JSON_SORT_KEYS=False,
+    )
+    app.extensions["runwarden"] = Runtime.build(settings, create_celery(settings))
+    problems.register(app)
+    metrics.init_app(app)
+    app.register_blueprint(tool_calls.bp)
+    app.register_blueprint(meta.bp)
+    app.register_blueprint(stream.bp)
+    stream.sock.init_app(app)
+    if settings.sandbox == "none":
+        logging.getLogger("runwarden").warning("RUNWARDEN_SANDBOX=none: workers run commands UNSANDBOXED")
+    return app

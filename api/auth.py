@@ -1,0 +1,49 @@
+"""Bearer tokens: where they are taken from, and the checks that need Redis (revocation)."""
+from __future__ import annotations
+
+from flask import request
+
+from api.runtime import runtime
+from shared import keys, tokens
+from shared.errors import Unauthorized
+from shared.tokens import Grant
+
+MAX_TOKEN = 8192
+SUBPROTOCOL = "runwarden.v1"
+BEARER_SUBPROTOCOL = "bearer."
+
+
+def _header_token() -> str | None:
+    values = request.headers.getlist("Authorization")
+    if not values:
+        return None
+    if len(values) > 1:
+        raise Unauthorized("Send one Authorization header.")
+    scheme, _, token = values[0].strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("Use 'Authorization: Bearer <token>'.")
+    return token.strip()
+
+
+def _subprotocol_token() -> str | None:
+    """Browsers cannot set headers on a WebSocket: they offer `bearer.<token>` as a subprotocol."""
+    offered = request.headers.get("Sec-WebSocket-Protocol", "")
+    for protocol in (p.strip() for p in offered.split(",")):
+        if protocol.startswith(BEARER_SUBPROTOCOL):
+            return protocol[len(BEARER_SUBPROTOCOL):]
+    return None
+
+
+def authenticate(*, allow_subprotocol: bool = False) -> Grant:
+    token = _header_token()
+    if token is None and allow_subprotocol:
+        token = _subprotocol_token()
+    if not token:
+        raise Unauthorized("A bearer token is required.")
+    if len(token) > MAX_TOKEN:
+        raise Unauthorized("The token is too long.")
+    rt = runtime()
+    grant = tokens.verify(token, rt.settings)
+    if grant.jti is not None and rt.redis.exists(keys.revoked_jti(grant.jti)):
+        raise Unauthorized("The token has been revoked.")
+    return grant

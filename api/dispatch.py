@@ -1,0 +1,163 @@
+"""The path from an accepted request to an enqueued task, in one place.
+
+authorize → fingerprint → claim → enqueue → answer. Quotas, fair scheduling and audit hook in
+here (before `claim`), so every tool call passes them the same way.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from celery.exceptions import TimeoutError as CeleryTimeout
+from flask import Response, request
+from kombu.exceptions import OperationalError
+from redis import RedisError
+
+from api.problems import PROBLEM_JSON, json_response, problem_response
+from api.runtime import Runtime
+from shared import commands, keys, paths
+from shared.errors import (IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable)
+from shared.idempotency import Existing, fingerprint
+from shared.keys import Status
+from shared.schema import ToolCall
+from shared.tokens import Grant
+
+SHELL = "execute_shell_command"
+MAX_PREFER_WAIT_S = 60
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A call that passed every check: what the worker gets, and who asked."""
+
+    call: ToolCall
+    grant: Grant
+    key: str
+    task_id: str
+
+    def message(self) -> dict[str, Any]:
+        return {
+            "tenant": self.grant.tenant, "run_id": self.grant.run_id, "idem_key": self.key,
+            "call_id": self.call.call_id, "tool_name": self.call.tool_name,
+            "parameters": self.call.parameters, "network": "shell:network" in self.grant.scopes,
+        }
+
+
+def authorize(call: ToolCall, grant: Grant) -> ToolCall:
+    """Scope, paths and programs; returns the call with its paths normalized."""
+    grant.require_scope(call.tool.scope)
+    params = dict(call.parameters)
+    if "path" in params:
+        params["path"] = paths.normalize(params["path"])
+        grant.require_path(params["path"])
+    if call.tool_name == SHELL:
+        if "cwd" in params:
+            params["cwd"] = paths.normalize(params["cwd"], allow_root=True)
+            if params["cwd"] and not _cwd_allowed(grant, params["cwd"]):
+                raise PathForbidden("The token's allowed_paths do not cover this cwd.")
+        if grant.allowed_commands is not None:
+            commands.check(params["command"], grant.allowed_commands)
+    return ToolCall(call.tool_name, call.call_id, params)
+
+
+def _cwd_allowed(grant: Grant, cwd: str) -> bool:
+    try:
+        grant.require_path(cwd)
+    except PathForbidden:
+        return False
+    return True
+
+
+def stream_url(task_id: str) -> str:
+    scheme = "wss" if request.scheme == "https" else "ws"
+    return f"{scheme}://{request.host}/v1/tool-calls/{task_id}/stream"
+
+
+def prefer_wait() -> int | None:
+    """Seconds from `Prefer: wait=N` (RFC 7240), capped at 60; None when absent or malformed."""
+    for value in request.headers.getlist("Prefer"):
+        for preference in value.split(","):
+            name, _, number = preference.strip().partition("=")
+            if name.strip().lower() == "wait" and number.strip().isdigit():
+                return min(int(number.strip()), MAX_PREFER_WAIT_S)
+    return None
+
+
+def submit(rt: Runtime, accepted: Accepted) -> Response:
+    call, grant = accepted.call, accepted.grant
+    fp = fingerprint(grant.run_id, call.tool_name, call.call_id, call.parameters)
+    ids = {"task_id": accepted.task_id, "call_id": call.call_id, "tool_name": call.tool_name}
+    shell = call.tool_name == SHELL
+    accepted_body = json.dumps({**ids, "status": Status.QUEUED.value, "stream_url": stream_url(accepted.task_id)},
+                               ensure_ascii=False, separators=(",", ":")).encode() if shell else None
+    existing = rt.idempotency.claim(
+        tenant=grant.tenant, key=accepted.key, fp=fp, run_id=grant.run_id, call_id=call.call_id,
+        tool_name=call.tool_name, created_ms=int(time.time() * 1000),
+        accepted=(202, accepted_body) if accepted_body else None,
+    )
+    if existing is not None:
+        return _retry(existing, fp, ids, shell)
+    _enqueue(rt, accepted)
+    if shell:
+        return _answer_shell(rt, accepted, accepted_body or b"")
+    return _answer_file(rt, accepted, ids)
+
+
+def _enqueue(rt: Runtime, accepted: Accepted) -> None:
+    result = rt.celery.AsyncResult(accepted.task_id)
+    try:
+        result.forget()  # a released earlier claim under this id may have left a stale result
+        rt.celery.send_task(f"runwarden.{accepted.call.tool_name}", args=[accepted.message()],
+                            task_id=accepted.task_id)
+    except (OperationalError, RedisError, OSError):
+        # Nothing ran: release the claim (only if still ours) so a retry can succeed.
+        try:
+            rt.idempotency.release(accepted.grant.tenant, accepted.key)
+        except RedisError:
+            pass
+        raise Unavailable("The broker cannot be reached; nothing was run, retry shortly.") from None
+
+
+def _answer_file(rt: Runtime, accepted: Accepted, ids: dict[str, str]) -> Response:
+    try:
+        outcome = rt.celery.AsyncResult(accepted.task_id).get(timeout=rt.settings.wait_file_result_s,
+                                                              propagate=False)
+    except CeleryTimeout:
+        return json_response({**ids, "status": Status.QUEUED.value}, 202)
+    if not isinstance(outcome, dict) or "code" not in outcome:
+        raise Unavailable("The worker did not report an outcome.")
+    content_type = PROBLEM_JSON if outcome["code"] >= 400 else "application/json"
+    return json_response(outcome["body"].encode(), outcome["code"], content_type)
+
+
+def _answer_shell(rt: Runtime, accepted: Accepted, accepted_body: bytes) -> Response:
+    wait_s = prefer_wait()
+    if wait_s:
+        try:
+            rt.celery.AsyncResult(accepted.task_id).get(timeout=wait_s, propagate=False)
+        except CeleryTimeout:
+            pass
+        view = rt.records.get(accepted.task_id)
+        if view is not None and view.status.terminal:
+            body = json.dumps({**view.public(), "stream_url": stream_url(accepted.task_id)},
+                              ensure_ascii=False, separators=(",", ":")).encode()
+            rt.idempotency.record_response(accepted.grant.tenant, accepted.key, 200, body)
+            return json_response(body, 200, headers={"Preference-Applied": f"wait={wait_s}"})
+    return json_response(accepted_body, 202)
+
+
+def _retry(existing: Existing, fp: str, ids: dict[str, str], shell: bool) -> Response:
+    if existing.fingerprint != fp:
+        raise IdempotencyKeyReused("This Idempotency-Key was used for a different request.",
+                                   task_id=existing.task_id)
+    if not existing.done or existing.code is None:
+        error = IdempotencyKeyInUse("The first request with this key is still running.", task_id=existing.task_id)
+        if shell:
+            error.extra["stream_url"] = stream_url(existing.task_id)
+        error.headers["Retry-After"] = "1"
+        return problem_response(error)
+    content_type = PROBLEM_JSON if existing.code >= 400 else "application/json"
+    return json_response(existing.body, existing.code, content_type, {"Idempotent-Replayed": "true"})
+

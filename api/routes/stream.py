@@ -1,0 +1,119 @@
+"""`GET /v1/tool-calls/{task_id}/stream`: a shell call's output over WebSocket, replayed then live.
+
+Everything that can refuse a client (Origin, token, scope, tenant, task) runs in `before_request`,
+before flask-sock upgrades the connection, so a refusal is an HTTP error and never a 101.
+The handler follows the call's Redis Stream with XREAD BLOCK from the last seq it sent: replay and
+live delivery are one read loop, so there is no gap and no duplicate. A client that stops reading
+blocks only its own handler (the kernel's socket buffer fills, nothing is queued in the API) and is
+dropped after SEND_TIMEOUT_S; it can resume with `after_seq`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from flask import Blueprint, g, request
+from flask_sock import ConnectionClosed, Sock
+from wsproto.events import TextMessage
+
+from api.auth import authenticate
+from api.dispatch import SHELL
+from api.runtime import runtime
+from shared import keys
+from shared.errors import ForbiddenOrigin, NotFound, SchemaInvalid
+from shared.schema import TOOLS
+
+bp = Blueprint("stream", __name__)
+sock = Sock()
+
+STREAM_PATH = "/v1/tool-calls/<task_id>/stream"
+SEND_TIMEOUT_S = 60
+READ_COUNT = 64
+MAX_BLOCK_MS = 5000  # below the Redis client's socket timeout
+POLICY_VIOLATION = 1008
+
+
+@bp.before_request
+def check_handshake() -> None:
+    origin = request.headers.get("Origin")
+    if origin is not None and origin not in runtime().settings.allowed_origins:
+        raise ForbiddenOrigin("This Origin may not open streams (RUNWARDEN_ALLOWED_ORIGINS).")
+    grant = authenticate(allow_subprotocol=True)
+    task_id = (request.view_args or {}).get("task_id", "")
+    view = runtime().records.get(task_id) if len(task_id) <= 64 else None
+    if view is None or view.tenant != grant.tenant or view.run_id != grant.run_id or view.tool_name != SHELL:
+        raise NotFound("No such stream.")
+    grant.require_scope(TOOLS[SHELL].scope)
+    g.grant, g.after_seq = grant, _after_seq()
+
+
+def _after_seq() -> int:
+    raw = request.args.get("after_seq", "0")
+    if not raw.isdigit() or len(raw) > 12:
+        raise SchemaInvalid("after_seq must be a non-negative integer.",
+                            errors=[{"pointer": "/after_seq", "message": "not a non-negative integer"}])
+    return int(raw)
+
+
+@sock.route(STREAM_PATH, bp=bp)
+def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
+    rt, grant = runtime(), g.grant
+    ws.sock.settimeout(SEND_TIMEOUT_S)
+    threading.Thread(target=_receive_signals, args=(ws, rt.redis, task_id), daemon=True).start()
+    log_key, last = keys.log(task_id), g.after_seq
+    while True:
+        until_expiry_ms = int((grant.exp - time.time()) * 1000)
+        if until_expiry_ms <= 0:
+            ws.close(POLICY_VIOLATION, "token expired")
+            return
+        block_ms = max(1, min(MAX_BLOCK_MS, rt.settings.lease_s * 1000, until_expiry_ms))
+        found = rt.redis.xread({log_key: f"{last}-1"}, count=READ_COUNT, block=block_ms)
+        if not found:
+            if not _still_there(rt, task_id):
+                ws.close(POLICY_VIOLATION, "the call's output has expired")
+                return
+            continue
+        for entry_id, fields in found[0][1]:
+            event = fields[b"e"].decode()
+            _send_text(ws, event)
+            last = int(entry_id.split(b"-")[0])
+            if event.startswith('{"type":"exit"'):
+                ws.close(1000)
+                return
+
+
+def _still_there(rt, task_id: str) -> bool:  # type: ignore[no-untyped-def]
+    """On a quiet stream: turn a call whose worker died into `lost` (which logs its exit event)."""
+    view = rt.records.get(task_id)
+    if view is None:
+        return False
+    if view.status.value == "running":
+        rt.records.reap(task_id)
+    return True
+
+
+def _send_text(ws, text: str) -> None:  # type: ignore[no-untyped-def]
+    # simple_websocket's send() uses socket.send, which may write part of a large frame when the
+    # socket has a timeout; sendall writes the whole frame or raises.
+    if not ws.connected:
+        raise ConnectionClosed(ws.close_reason, ws.close_message)
+    ws.sock.sendall(ws.ws.send(TextMessage(data=text)))
+
+
+def _receive_signals(ws, client, task_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Client → server: `{"type": "signal", "signal": "SIGINT"}` reaches the call's process group."""
+    allowed = {"SIGINT", "SIGTERM", "SIGKILL", "SIGHUP"}
+    while True:
+        try:
+            message = ws.receive()
+        except (ConnectionClosed, OSError):
+            return
+        if message is None:
+            return
+        try:
+            order = json.loads(message)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(order, dict) and order.get("type") == "signal" and order.get("signal") in allowed:
+            client.publish(keys.control(task_id), json.dumps({"signal": order["signal"]}))

@@ -1,0 +1,38 @@
+"""What the API process holds: built once by the app factory, found through `current_app`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+from flask import current_app
+
+from shared.idempotency import Idempotency
+from shared.records import Records
+from shared.settings import Settings
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    redis: redis.Redis
+    celery: Celery
+    idempotency: Idempotency
+    records: Records
+
+    @classmethod
+    def build(cls, settings: Settings, celery: Celery) -> "Runtime":
+        client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=10,
+                                      health_check_interval=30, retry_on_timeout=False)
+        return cls(
+            settings=settings,
+            redis=client,
+            celery=celery,
+            idempotency=Idempotency(client, settings.idempotency_ttl_s),
+            records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
+                            lease_s=settings.lease_s),
+        )
+
+
+def runtime() -> Runtime:
+    return current_app.extensions["runwarden"]

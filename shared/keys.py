@@ -1,0 +1,86 @@
+"""The Redis vocabulary: every key name, channel, queue and status in one place."""
+from __future__ import annotations
+
+import enum
+import uuid
+
+PREFIX = "rw"
+FILE_QUEUE = "runwarden.files"
+SHELL_QUEUE = "runwarden.shell"
+
+# A fixed namespace so the task id of (tenant, key) is the same on every API replica.
+TASK_ID_NAMESPACE = uuid.UUID("5b0e7c1e-4d2a-4f0e-9a53-2f1d6c0b7a11")
+
+
+class Status(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.LOST})
+
+
+def task_id_for(tenant: str, idempotency_key: str) -> str:
+    """A retry with the same key maps to the same Celery task id."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{tenant}\x00{idempotency_key}"))
+
+
+def idempotency(tenant: str, key: str) -> str:
+    """Hash: fingerprint, task id, state, and the response to replay."""
+    return f"{PREFIX}:idem:{tenant}:{key}"
+
+
+def task(task_id: str) -> str:
+    """Hash: who owns the call, its status and its final result."""
+    return f"{PREFIX}:task:{task_id}"
+
+
+def execution(task_id: str) -> str:
+    """String claimed with SET NX by the worker that runs the call: a redelivered message finds it taken."""
+    return f"{PREFIX}:exec:{task_id}"
+
+
+def lease(task_id: str) -> str:
+    """String with a short TTL, refreshed while a worker runs the call; its absence means the worker died."""
+    return f"{PREFIX}:lease:{task_id}"
+
+
+def log(task_id: str) -> str:
+    """Stream: every output event of a shell call, entry id `<seq>-1`, for replay."""
+    return f"{PREFIX}:log:{task_id}"
+
+
+def live(task_id: str) -> str:
+    """Pub/sub channel announcing each event as it is logged."""
+    return f"{PREFIX}:live:{task_id}"
+
+
+def control(task_id: str) -> str:
+    """Pub/sub channel carrying signals and cancels to the worker running the call."""
+    return f"{PREFIX}:ctl:{task_id}"
+
+
+def file_lock(tenant: str, run_id: str, path: str) -> str:
+    """Lock serialising compare-and-swap on one file across worker processes and machines."""
+    return f"{PREFIX}:lock:{tenant}:{run_id}:{path}"
+
+
+def patch_intent(task_id: str) -> str:
+    """Hash written before a file is replaced, so a redelivered patch recognises its own write."""
+    return f"{PREFIX}:intent:{task_id}"
+
+
+def revoked_jti(jti: str) -> str:
+    """String present while a token id is revoked."""
+    return f"{PREFIX}:revoked:{jti}"
+
+
+RUNNING_SET = f"{PREFIX}:running"  # sorted set of task ids running, scored by start time, for the reaper

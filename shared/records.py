@@ -1,0 +1,210 @@
+"""The task record: one hash per call, moved between statuses only by the Lua scripts below.
+
+Every transition that ends a call (finish, cancel of a queued call, reaping a lost one) is one script
+that checks the call is not already terminal, so the first terminal status wins and a shell stream
+gets exactly one `exit` event.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from shared import keys
+from shared.keys import Status
+
+# KEYS: task, lease, running set. ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks).
+_START = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status ~= 'queued' and not (ARGV[5] == '1' and status == 'running') then return status end
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_ms', ARGV[2], 'worker', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+if ARGV[5] ~= '1' then
+  -- Only shell calls hold a lease: a file call is re-delivered instead, and its write guarded.
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
+end
+if redis.call('HGET', KEYS[1], 'cancel') then return 'cancel' end
+return 'running'
+"""
+
+# Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
+_END = """
+local function finish(task_key, lease_key, running_key, log_key, task_id, new_status, result, now_ms,
+                      ttl_ms, code, body, exit_event, retention_ms)
+  local idem = redis.call('HGET', task_key, 'idem')
+  redis.call('HSET', task_key, 'status', new_status, 'result', result, 'finished_ms', now_ms)
+  redis.call('PEXPIRE', task_key, ttl_ms)
+  if idem then
+    redis.call('HSET', idem, 'state', 'done')
+    if code ~= '' then redis.call('HSET', idem, 'code', code, 'body', body) end
+    redis.call('PEXPIRE', idem, ttl_ms)
+  end
+  redis.call('DEL', lease_key)
+  redis.call('ZREM', running_key, task_id)
+  if exit_event ~= '' then
+    local seq = 1
+    local last = redis.call('XREVRANGE', log_key, '+', '-', 'COUNT', 1)
+    if last[1] then seq = tonumber(string.match(last[1][1], '^(%d+)')) + 1 end
+    local event = string.gsub(exit_event, '"seq":0', '"seq":' .. seq, 1)
+    redis.call('XADD', log_key, seq .. '-1', 'e', event)
+    redis.call('PEXPIRE', log_key, retention_ms)
+  end
+  return 1
+end
+local function terminal(status)
+  return status == 'completed' or status == 'failed' or status == 'cancelled' or status == 'lost'
+end
+"""
+
+# KEYS: task, lease, running set, log. ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
+_FINISH = _END + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or terminal(status) then return 0 end
+return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+              ARGV[7], ARGV[8], ARGV[9])
+"""
+
+# KEYS: task, lease, running set, log. ARGV: task id, result, now, ttl, exit event, retention.
+# A queued call is cancelled at once; a running one is flagged and its worker is told.
+_CANCEL = _END + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status == 'queued' then
+  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], 'cancelled', ARGV[2], ARGV[3], ARGV[4], '', '',
+         ARGV[5], ARGV[6])
+  return 'cancelled'
+end
+if status == 'running' then redis.call('HSET', KEYS[1], 'cancel', '1') end
+return status
+"""
+
+# KEYS: task, lease, running set, log. ARGV: task id, result, now, ttl, exit event, retention.
+_REAP = _END + """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], 'lost', ARGV[2], ARGV[3], ARGV[4], '', '',
+              ARGV[5], ARGV[6])
+"""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def exit_event(status: Status, **fields: Any) -> str:
+    """The exit event of a call that ended without its worker's own account (cancelled, lost)."""
+    event = {
+        "type": "exit", "seq": 0, "status": status.value, "exit_code": None, "signal": None,
+        "timed_out": False, "duration_ms": None, "stdout_bytes": None, "stderr_bytes": None,
+        "stdout_sha256": None, "stderr_sha256": None, "truncated": False,
+    }
+    event.update(fields)
+    return json.dumps(event, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class TaskView:
+    task_id: str
+    tenant: str
+    run_id: str
+    call_id: str
+    tool_name: str
+    status: Status
+    result: Any
+    cancel_requested: bool
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "call_id": self.call_id,
+            "tool_name": self.tool_name,
+            "status": self.status.value,
+            "result": self.result,
+        }
+
+
+class Records:
+    def __init__(self, client: redis.Redis, *, ttl_s: int, retention_s: int, lease_s: int) -> None:
+        self.client = client
+        self.ttl_ms = ttl_s * 1000
+        self.retention_ms = retention_s * 1000
+        self.lease_ms = lease_s * 1000
+        self._start = client.register_script(_START)
+        self._finish = client.register_script(_FINISH)
+        self._cancel = client.register_script(_CANCEL)
+        self._reap = client.register_script(_REAP)
+
+    def _keys(self, task_id: str) -> list[str]:
+        return [keys.task(task_id), keys.lease(task_id), keys.RUNNING_SET, keys.log(task_id)]
+
+    def get(self, task_id: str) -> TaskView | None:
+        fields = self.client.hgetall(keys.task(task_id))
+        if not fields or b"status" not in fields:
+            return None
+        text = {k.decode(): v.decode() for k, v in fields.items()}
+        return TaskView(
+            task_id=task_id,
+            tenant=text["tenant"],
+            run_id=text["run_id"],
+            call_id=text["call_id"],
+            tool_name=text["tool_name"],
+            status=Status(text["status"]),
+            result=json.loads(text["result"]) if "result" in text else None,
+            cancel_requested="cancel" in text,
+        )
+
+    def start(self, task_id: str, worker: str, *, reentrant: bool = False) -> str:
+        """queued → running; returns the status found when the call may not start ("cancel" if flagged)."""
+        found = self._start(
+            keys=self._keys(task_id)[:3],
+            args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0"],
+        )
+        return found.decode()
+
+    def attempts(self, task_id: str) -> int:
+        return int(self.client.hget(keys.task(task_id), "attempts") or 0)
+
+    def refresh_lease(self, task_id: str, worker: str) -> None:
+        self.client.set(keys.lease(task_id), worker, px=self.lease_ms)
+
+    def finish(
+        self,
+        task_id: str,
+        status: Status,
+        result: Any,
+        *,
+        response: tuple[int, bytes] | None = None,
+        exit_json: str = "",
+    ) -> bool:
+        """Record the terminal status (first one wins) and complete the idempotency record."""
+        code, body = response if response else ("", b"")
+        return bool(self._finish(
+            keys=self._keys(task_id),
+            args=[task_id, status.value, json.dumps(result), now_ms(), self.ttl_ms, code, body, exit_json,
+                  self.retention_ms],
+        ))
+
+    def cancel(self, task_id: str, *, shell: bool) -> str:
+        result = {"code": "cancelled", "message": "Cancelled before it started."}
+        exit_json = exit_event(Status.CANCELLED) if shell else ""
+        found = self._cancel(
+            keys=self._keys(task_id),
+            args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],
+        )
+        return found.decode()
+
+    def reap(self, task_id: str, *, shell: bool = True) -> bool:
+        """A running call whose worker stopped renewing its lease becomes `lost` (never re-run)."""
+        result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run."}
+        exit_json = exit_event(Status.LOST) if shell else ""
+        return bool(self._reap(
+            keys=self._keys(task_id),
+            args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],
+        ))
+
+    def running_since(self, older_than_ms: int) -> list[str]:
+        return [t.decode() for t in self.client.zrangebyscore(keys.RUNNING_SET, 0, older_than_ms)]

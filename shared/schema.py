@@ -1,0 +1,154 @@
+"""The tool-call envelope and each tool's parameter schema.
+
+`tool_name` selects the parameter schema (a `oneOf` over shapes would not bind them), formats are
+asserted with a FormatChecker, and every object is closed with `additionalProperties: false`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from shared.errors import SchemaInvalid
+
+MAX_PATH = 4096
+MAX_DIFF = 1024 * 1024
+MAX_COMMAND = 65536
+
+_PATH = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_PATH,
+    "description": "Relative POSIX path inside the run's workspace (no leading '/', no '..').",
+}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    scope: str
+    description: str
+    parameters: dict[str, Any]
+
+
+TOOLS: dict[str, Tool] = {
+    tool.name: tool
+    for tool in (
+        Tool(
+            name="read_file",
+            scope="files:read",
+            description="Read a file of the workspace. Returns its bytes (UTF-8 text or base64) and its git blob SHA.",
+            parameters={
+                "type": "object",
+                "properties": {"path": _PATH},
+                "required": ["path"],
+                "additionalProperties": False,
+            },
+        ),
+        Tool(
+            name="apply_file_patch",
+            scope="files:write",
+            description=(
+                "Apply a unified diff to one file, exactly, only if the file's git blob SHA is base_sha "
+                "(forty zeros: the file must not exist yet). '+++ /dev/null' deletes the file."
+            ),
+            parameters={
+                "type": "object",
+                "properties": {
+                    "path": _PATH,
+                    "diff": {"type": "string", "minLength": 1, "maxLength": MAX_DIFF,
+                             "description": "Unified diff of this one file."},
+                    "base_sha": {"type": "string", "pattern": "^[0-9a-f]{40}$", "minLength": 40, "maxLength": 40,
+                                 "description": "git blob SHA-1 of the file the diff was written against."},
+                },
+                "required": ["path", "diff", "base_sha"],
+                "additionalProperties": False,
+            },
+        ),
+        Tool(
+            name="execute_shell_command",
+            scope="shell:exec",
+            description=(
+                "Run a bash command in a fresh sandbox whose working directory is the workspace. "
+                "Output streams over WebSocket; the result holds exit code, byte counts and sha256."
+            ),
+            parameters={
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND,
+                                "description": "Command line run with bash -c."},
+                    "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 60000, "default": 30000,
+                                   "description": "Wall-clock limit; the command gets SIGTERM then SIGKILL."},
+                    "cwd": {**_PATH, "description": "Working directory relative to the workspace."},
+                },
+                "required": ["command"],
+                "additionalProperties": False,
+            },
+        ),
+    )
+}
+
+ENVELOPE: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {
+        "tool_name": {"type": "string", "enum": sorted(TOOLS)},
+        "call_id": {"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
+        "parameters": {"type": "object"},
+    },
+    "required": ["tool_name", "call_id", "parameters"],
+    "additionalProperties": False,
+}
+
+_FORMATS = Draft202012Validator.FORMAT_CHECKER
+_ENVELOPE_VALIDATOR = Draft202012Validator(ENVELOPE, format_checker=_FORMATS)
+_PARAMETER_VALIDATORS = {
+    name: Draft202012Validator(tool.parameters, format_checker=_FORMATS) for name, tool in TOOLS.items()
+}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    tool_name: str
+    call_id: str
+    parameters: dict[str, Any]
+
+    @property
+    def tool(self) -> Tool:
+        return TOOLS[self.tool_name]
+
+
+def _pointer(path: Any, prefix: str = "") -> str:
+    return prefix + "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def _errors(validator: Draft202012Validator, instance: Any, prefix: str = "") -> list[dict[str, str]]:
+    return [
+        {"pointer": _pointer(error.absolute_path, prefix), "message": error.message[:300]}
+        for error in sorted(validator.iter_errors(instance), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def parse_tool_call(body: Any) -> ToolCall:
+    """Validate the envelope, then the parameters against the schema `tool_name` selects."""
+    errors = _errors(_ENVELOPE_VALIDATOR, body)
+    if isinstance(body, dict) and body.get("tool_name") in TOOLS and isinstance(body.get("parameters"), dict):
+        errors += _errors(_PARAMETER_VALIDATORS[body["tool_name"]], body["parameters"], "/parameters")
+    if errors:
+        raise SchemaInvalid("The tool call does not match its schema.", errors=errors)
+    parameters = dict(body["parameters"])
+    if body["tool_name"] == "execute_shell_command":
+        parameters.setdefault("timeout_ms", 30000)
+    return ToolCall(body["tool_name"], body["call_id"], parameters)
+
+
+def tool_definitions() -> list[dict[str, Any]]:
+    return [{"name": t.name, "description": t.description, "input_schema": t.parameters} for t in TOOLS.values()]
+
+
+def openai_tools() -> list[dict[str, Any]]:
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in TOOLS.values()
+    ]

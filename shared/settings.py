@@ -1,0 +1,144 @@
+"""The one settings object, read from the environment once at start.
+
+Both the API and the workers call `Settings.from_env()` in their factory and pass the
+object down; nothing else reads `os.environ`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("runwarden.settings")
+
+MIN_HS256_SECRET_BYTES = 32
+ASYMMETRIC_ALGORITHMS = ("RS256", "ES256", "EdDSA")
+
+
+class SettingsError(Exception):
+    """The environment describes a configuration runwarden refuses to start with."""
+
+
+def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise SettingsError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _list(env: dict[str, str], name: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in env.get(name, "").split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str
+    jwt_secret: bytes | None = field(repr=False)
+    jwt_public_key: bytes | None = field(repr=False)
+    jwt_algorithms: tuple[str, ...]
+    jwt_audience: str
+    jwt_max_lifetime_s: int
+    workspaces: Path
+    sandbox: str  # "bwrap" or "none"
+    allowed_origins: tuple[str, ...]
+    max_body_bytes: int
+    output_cap_bytes: int
+    http_output_bytes: int
+    stream_retention_s: int
+    idempotency_ttl_s: int
+    wait_file_result_s: int
+    kill_grace_s: float
+    sandbox_memory_bytes: int
+    sandbox_max_processes: int
+    sandbox_max_file_bytes: int
+    sandbox_max_open_files: int
+    sandbox_uid: int
+    visibility_timeout_s: int
+    lease_s: int
+    ws_queue_events: int
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+        env = dict(os.environ if environ is None else environ)
+        redis_url = env.get("RUNWARDEN_REDIS_URL", "")
+        if not redis_url:
+            raise SettingsError("RUNWARDEN_REDIS_URL is not set (runwarden dev sets it for you)")
+        secret, public_key, algorithms = _jwt_keys(env)
+        sandbox = env.get("RUNWARDEN_SANDBOX", "bwrap")
+        if sandbox not in ("bwrap", "none"):
+            raise SettingsError(f"RUNWARDEN_SANDBOX must be 'bwrap' or 'none', got {sandbox!r}")
+        return cls(
+            redis_url=redis_url,
+            jwt_secret=secret,
+            jwt_public_key=public_key,
+            jwt_algorithms=algorithms,
+            jwt_audience=env.get("RUNWARDEN_JWT_AUDIENCE", "runwarden"),
+            jwt_max_lifetime_s=_int(env, "RUNWARDEN_JWT_MAX_LIFETIME", 3600, 1),
+            workspaces=Path(env.get("RUNWARDEN_WORKSPACES", "./var/workspaces")).resolve(),
+            sandbox=sandbox,
+            allowed_origins=_list(env, "RUNWARDEN_ALLOWED_ORIGINS"),
+            max_body_bytes=_int(env, "RUNWARDEN_MAX_BODY_BYTES", 2 * 1024 * 1024, 1024),
+            output_cap_bytes=_int(env, "RUNWARDEN_OUTPUT_CAP", 64 * 1024 * 1024, 1),
+            http_output_bytes=_int(env, "RUNWARDEN_HTTP_OUTPUT_BYTES", 1024 * 1024, 1),
+            stream_retention_s=_int(env, "RUNWARDEN_STREAM_RETENTION", 3600, 3600),
+            idempotency_ttl_s=_int(env, "RUNWARDEN_IDEMPOTENCY_TTL", 86400, 60),
+            wait_file_result_s=_int(env, "RUNWARDEN_FILE_WAIT", 30, 1),
+            kill_grace_s=_int(env, "RUNWARDEN_KILL_GRACE_MS", 2000, 0) / 1000,
+            sandbox_memory_bytes=_int(env, "RUNWARDEN_SANDBOX_MEMORY", 1024 * 1024 * 1024, 16 * 1024 * 1024),
+            sandbox_max_processes=_int(env, "RUNWARDEN_SANDBOX_PROCESSES", 256, 8),
+            sandbox_max_file_bytes=_int(env, "RUNWARDEN_SANDBOX_FILE_SIZE", 1024 * 1024 * 1024, 1024),
+            sandbox_max_open_files=_int(env, "RUNWARDEN_SANDBOX_OPEN_FILES", 1024, 16),
+            sandbox_uid=_int(env, "RUNWARDEN_SANDBOX_UID", 65534, 1),
+            visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
+            lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
+            ws_queue_events=_int(env, "RUNWARDEN_WS_QUEUE_EVENTS", 256, 8),
+        )
+
+    @property
+    def jwt_verify_key(self) -> bytes:
+        return self.jwt_public_key if self.jwt_public_key is not None else self.jwt_secret  # type: ignore[return-value]
+
+
+def _jwt_keys(env: dict[str, str]) -> tuple[bytes | None, bytes | None, tuple[str, ...]]:
+    """Pin the algorithm family from configuration: HS256, or the asymmetric ones, never both."""
+    public_key_path = env.get("RUNWARDEN_JWT_PUBLIC_KEY", "")
+    if public_key_path:
+        try:
+            public_key = Path(public_key_path).read_bytes()
+        except OSError as exc:
+            raise SettingsError(f"RUNWARDEN_JWT_PUBLIC_KEY cannot be read: {exc.strerror}") from None
+        if b"PUBLIC KEY" not in public_key:
+            raise SettingsError("RUNWARDEN_JWT_PUBLIC_KEY must be a PEM public key")
+        return None, public_key, _asymmetric_algorithm(public_key)
+    secret = env.get("RUNWARDEN_JWT_SECRET", "").encode()
+    if len(secret) < MIN_HS256_SECRET_BYTES:
+        raise SettingsError(
+            f"RUNWARDEN_JWT_SECRET must be at least {MIN_HS256_SECRET_BYTES} bytes "
+            f"(got {len(secret)}); generate one with: python -c 'import secrets; print(secrets.token_urlsafe(48))'"
+        )
+    return secret, None, ("HS256",)
+
+
+def _asymmetric_algorithm(pem: bytes) -> tuple[str, ...]:
+    """The one algorithm that fits the key's type, so a token cannot choose another."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, ed448, rsa
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        key = load_pem_public_key(pem)
+    except ValueError:
+        raise SettingsError("RUNWARDEN_JWT_PUBLIC_KEY is not a valid PEM public key") from None
+    if isinstance(key, rsa.RSAPublicKey):
+        return ("RS256",)
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        return ("ES256",)
+    if isinstance(key, (ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)):
+        return ("EdDSA",)
+    raise SettingsError("RUNWARDEN_JWT_PUBLIC_KEY must be an RSA, EC or Ed25519 key")

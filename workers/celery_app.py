@@ -1,0 +1,53 @@
+"""The Celery application factory, used by the workers and (to send tasks by name) by the API.
+
+Delivery semantics, chosen deliberately (see README, "Delivery semantics"):
+- file tasks: acks_late + reject_on_worker_lost, so a killed worker's patch is delivered again; the
+  worker-side intent record makes the write happen once (exactly-once effect); attempts are counted;
+- shell tasks: acked on receipt (at-most-once) and guarded by the queued→running transition, so a
+  redelivered message never runs a command twice; a call whose worker dies becomes `lost`.
+"""
+from __future__ import annotations
+
+from celery import Celery
+
+from shared import keys
+from shared.settings import Settings
+
+FILE_TASKS = ("runwarden.read_file", "runwarden.apply_file_patch")
+SHELL_TASK = "runwarden.execute_shell_command"
+PING_TASK = "runwarden.ping"
+
+
+def create_celery(settings: Settings) -> Celery:
+    app = Celery("runwarden", broker=settings.redis_url, backend=settings.redis_url)
+    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_default_queue=keys.FILE_QUEUE,
+        task_routes={
+            **{name: {"queue": keys.FILE_QUEUE} for name in FILE_TASKS},
+            SHELL_TASK: {"queue": keys.SHELL_QUEUE},
+            PING_TASK: {"queue": keys.FILE_QUEUE},
+        },
+        task_create_missing_queues=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        result_expires=3600,  # runwarden keeps its own record of every outcome for 24 h
+        worker_send_task_events=True,  # Flower and `celery events` can watch the fleet
+        task_send_sent_event=True,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=3,
+        redis_socket_timeout=30,
+        redis_socket_connect_timeout=3,
+        redis_retry_on_timeout=True,
+        task_ignore_result=False,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+    )
+    app.runwarden_settings = settings  # type: ignore[attr-defined]
+    return app

@@ -1,0 +1,57 @@
+"""What a worker does at start: test its sandbox once, and reap calls whose worker died."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+from celery import Celery
+from celery.signals import worker_init, worker_ready, worker_shutdown
+
+from shared.errors import SandboxUnavailable
+from shared.records import Records
+from workers import sandbox
+from workers.tasks import reap_lost_calls
+
+log = logging.getLogger("runwarden.worker")
+
+
+def connect_worker_signals(app: Celery) -> None:
+    settings = app.runwarden_settings  # type: ignore[attr-defined]
+    stop = threading.Event()
+
+    @worker_init.connect(weak=False)
+    def test_sandbox(**_: object) -> None:
+        """Fail closed: a worker whose sandbox cannot start refuses shell calls with the reason."""
+        app.runwarden_runner, app.runwarden_sandbox_error = None, None  # type: ignore[attr-defined]
+        try:
+            runner = sandbox.build_runner(settings)
+            sandbox.self_test(runner, settings.workspaces / ".sandbox-selftest")
+        except SandboxUnavailable as exc:
+            app.runwarden_sandbox_error = exc.detail  # type: ignore[attr-defined]
+            log.error("SANDBOX UNAVAILABLE, shell calls will be refused: %s", exc.detail)
+            return
+        app.runwarden_runner = runner  # type: ignore[attr-defined]
+        log.info("sandbox self-test passed (%s)", runner.name)
+
+    @worker_ready.connect(weak=False)
+    def start_reaper(**_: object) -> None:
+        threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
+
+    @worker_shutdown.connect(weak=False)
+    def stop_reaper(**_: object) -> None:
+        stop.set()
+
+
+def _reap_forever(settings, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
+    client = redis.Redis.from_url(settings.redis_url)
+    records = Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
+                      lease_s=settings.lease_s)
+    while not stop.wait(settings.lease_s / 2):
+        try:
+            if reaped := reap_lost_calls(records, settings.lease_s):
+                log.warning("marked %d shell call(s) lost: their worker stopped renewing its lease", reaped)
+        except redis.RedisError as exc:
+            log.warning("reaper cannot reach Redis: %s", exc)
+            time.sleep(1)

@@ -1,0 +1,189 @@
+"""One shell call from spawn to exit: read both pipes, publish, obey timeout, cap, signals, cancel."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+from shared import keys
+from shared.keys import Status
+from shared.settings import Settings
+from workers.relay import Publisher, StreamCopy
+from workers.sandbox import Process, Runner
+
+READ_BYTES = 256 * 1024
+POLL_S = 0.2
+ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
+                   "SIGHUP": signal.SIGHUP}
+
+
+@dataclass
+class Outcome:
+    status: Status
+    result: dict[str, Any]
+    exit_event: str
+
+
+@dataclass
+class _Run:
+    """Mutable state of one running call."""
+
+    process: Process
+    deadline: float
+    kill_at: float | None = None
+    timed_out: bool = False
+    cancelled: bool = False
+    truncated: bool = False
+    streams: dict[int, StreamCopy] = field(default_factory=dict)
+
+
+def signal_name(exit_code: int) -> str | None:
+    if 128 < exit_code < 128 + signal.NSIG:
+        try:
+            return signal.Signals(exit_code - 128).name
+        except ValueError:
+            return None
+    return None
+
+
+class ShellCall:
+    def __init__(self, settings: Settings, client: redis.Redis, runner: Runner, task_id: str,
+                 refresh_lease: Callable[[], None]) -> None:
+        self.settings = settings
+        self.client = client
+        self.runner = runner
+        self.task_id = task_id
+        self.refresh_lease = refresh_lease
+        self.publisher = Publisher(client, task_id, settings.stream_retention_s)
+
+    def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
+            control: redis.client.PubSub) -> Outcome:
+        started = time.monotonic()
+        process = self.runner.spawn(command, workspace, cwd, network)
+        run = _Run(process, deadline=started + timeout_ms / 1000)
+        assert process.popen.stdout and process.popen.stderr
+        run.streams = {
+            process.popen.stdout.fileno(): StreamCopy("stdout", self.settings.http_output_bytes),
+            process.popen.stderr.fileno(): StreamCopy("stderr", self.settings.http_output_bytes),
+        }
+        try:
+            self._pump(run, control)
+        finally:
+            process.kill()  # whatever is left of the tree; the PID namespace takes the rest
+            process.popen.wait()
+            for pipe in (process.popen.stdout, process.popen.stderr):
+                pipe.close()
+        return self._outcome(run, started)
+
+    def _pump(self, run: _Run, control: redis.client.PubSub) -> None:
+        selector = selectors.DefaultSelector()
+        for fd in run.streams:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        control_fd = control.connection._sock.fileno()  # type: ignore[union-attr]
+        selector.register(control_fd, selectors.EVENT_READ)
+        self._read_control(run, control)
+        next_lease = time.monotonic() + self.settings.lease_s / 3
+        open_pipes = set(run.streams)
+        while open_pipes:
+            now = time.monotonic()
+            # Wake at least every POLL_S to notice a command that exited while a child holds its pipes.
+            wake = min(run.deadline, next_lease, run.kill_at or float("inf"), now + POLL_S)
+            for key, _ in selector.select(max(0.0, wake - now)):
+                if key.fd == control_fd:
+                    self._read_control(run, control)
+                elif not self._read_pipe(run, key.fd):
+                    selector.unregister(key.fd)
+                    open_pipes.discard(key.fd)
+            self.publisher.flush()
+            now = time.monotonic()
+            if now >= next_lease:
+                self.refresh_lease()
+                next_lease = now + self.settings.lease_s / 3
+            if now >= run.deadline and not run.timed_out and run.kill_at is None:
+                run.timed_out = True
+                self._terminate(run)
+            if run.process.popen.poll() is not None and run.kill_at is None:
+                run.process.kill()  # the command is done: leftovers (`cmd &`, `setsid`) end with it
+                run.kill_at = float("inf")
+            if run.kill_at is not None and now >= run.kill_at:
+                run.process.kill()
+                run.kill_at = float("inf")
+        selector.close()
+
+    def _read_pipe(self, run: _Run, fd: int) -> bool:
+        """Read what is there; False at EOF. Past the cap the command is stopped, never silently cut."""
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return True
+        copy = run.streams[fd]
+        if not data:
+            self._emit(copy, copy.cutter.flush())
+            return False
+        if run.truncated:
+            return True  # draining a killed command; nothing more is emitted
+        room = self.settings.output_cap_bytes - sum(s.size for s in run.streams.values())
+        if len(data) >= room:
+            data = data[:room]
+            run.truncated = True
+            run.process.kill()
+        self._emit(copy, copy.cutter.feed(data))
+        if run.truncated:
+            self._emit(copy, copy.cutter.flush())
+        return True
+
+    def _emit(self, copy: StreamCopy, piece: bytes) -> None:
+        if piece:
+            copy.take(piece)
+            self.publisher.add(copy.name, piece)
+
+    def _read_control(self, run: _Run, control: redis.client.PubSub) -> None:
+        while (message := control.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
+            try:
+                order = json.loads(message["data"])
+            except (TypeError, ValueError):
+                continue
+            if order.get("cancel"):
+                run.cancelled = True
+                self._terminate(run)
+            elif order.get("signal") in ALLOWED_SIGNALS:
+                run.process.signal(ALLOWED_SIGNALS[order["signal"]])
+
+    def _terminate(self, run: _Run) -> None:
+        """SIGTERM now, SIGKILL after the grace period."""
+        run.process.signal(signal.SIGTERM)
+        if run.kill_at is None:
+            run.kill_at = time.monotonic() + self.settings.kill_grace_s
+
+    def _outcome(self, run: _Run, started: float) -> Outcome:
+        exit_code = run.process.popen.returncode
+        if exit_code < 0:  # the unsandboxed runner reports a signal as a negative code
+            exit_code = 128 - exit_code
+        duration_ms = int((time.monotonic() - started) * 1000)
+        stdout, stderr = run.streams.values()
+        summary = {
+            "exit_code": exit_code, "signal": signal_name(exit_code), "timed_out": run.timed_out,
+            "duration_ms": duration_ms, "stdout_bytes": stdout.size, "stderr_bytes": stderr.size,
+            "stdout_sha256": stdout.sha.hexdigest(), "stderr_sha256": stderr.sha.hexdigest(),
+            "truncated": run.truncated,
+        }
+        status = Status.CANCELLED if run.cancelled else Status.COMPLETED
+        exit_event = json.dumps({"type": "exit", "seq": 0, "status": status.value, **summary},
+                                separators=(",", ":"))
+        result = {**summary, **stdout.result_fields(), **stderr.result_fields()}
+        return Outcome(status, result, exit_event)
+
+
+def subscribe_control(client: redis.Redis, task_id: str) -> redis.client.PubSub:
+    """Subscribe before the call is marked running, so a cancel that sees `running` reaches us."""
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.control(task_id))
+    return pubsub

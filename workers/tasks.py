@@ -1,0 +1,178 @@
+"""Celery tasks. Each is thin: claim the call, run the tool, record the outcome.
+
+The outcome of a call is written to runwarden's own records (not only Celery's result backend,
+which forgets): the task record for GET, and the idempotency record for replays.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+from celery import Task, shared_task
+
+from shared import keys
+from shared.errors import FileNotFound, RunwardenError, SandboxUnavailable, Unavailable
+from shared.keys import Status
+from shared.records import Records, exit_event
+from shared.settings import Settings
+from workers import workspace
+from workers.files import PatchApplier, read_file as read_file_tool
+from workers.sandbox import Runner
+from workers.shell import ShellCall, subscribe_control
+
+log = logging.getLogger("runwarden.tasks")
+MAX_FILE_ATTEMPTS = 3
+_WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class WorkerContext:
+    """Per-process resources, built after fork (Redis connections must not cross a fork)."""
+
+    def __init__(self, settings: Settings, runner: Runner | None, sandbox_error: str | None) -> None:
+        self.pid = os.getpid()
+        self.settings = settings
+        self.redis = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+        self.records = Records(self.redis, ttl_s=settings.idempotency_ttl_s,
+                               retention_s=settings.stream_retention_s, lease_s=settings.lease_s)
+        self.patches = PatchApplier(self.redis, settings.idempotency_ttl_s)
+        self.runner = runner
+        self.sandbox_error = sandbox_error
+        self.sandbox_owner = getattr(runner, "host_uid", None)
+
+    def workspace(self, tenant: str, run_id: str) -> Path:
+        return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
+
+
+class RunwardenTask(Task):
+    """Base for every tool task: per-process context, and the one place outcomes are recorded."""
+
+    abstract = True
+    _context: WorkerContext | None = None
+
+    @property
+    def ctx(self) -> WorkerContext:
+        context = RunwardenTask._context
+        if context is None or context.pid != os.getpid():
+            context = RunwardenTask._context = WorkerContext(
+                self.app.runwarden_settings,  # type: ignore[attr-defined]
+                getattr(self.app, "runwarden_runner", None),
+                getattr(self.app, "runwarden_sandbox_error", None),
+            )
+        return context
+
+    def file_call(self, call: dict[str, Any], tool: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run a file tool once per call, even when its message is delivered again."""
+        records, task_id = self.ctx.records, self.request.id
+        found = records.start(task_id, _WORKER_NAME, reentrant=True)
+        if found not in ("running", "cancel"):
+            return self._replay(call, found)
+        if records.attempts(task_id) > MAX_FILE_ATTEMPTS:
+            error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
+            return self._record_error(call, error)
+        try:
+            result = tool()
+        except RunwardenError as exc:
+            return self._record_error(call, exc)
+        body = _json({"task_id": task_id, "call_id": call["call_id"], "tool_name": call["tool_name"],
+                      "status": Status.COMPLETED.value, "result": result})
+        records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()))
+        return {"code": 200, "body": body}
+
+    def _record_error(self, call: dict[str, Any], error: RunwardenError) -> dict[str, Any]:
+        task_id = self.request.id
+        body = _json(error.problem() | {"task_id": task_id, "call_id": call["call_id"],
+                                        "tool_name": call["tool_name"]})
+        result = {"code": error.code, "message": error.detail,
+                  **{k: v for k, v in error.extra.items() if k != "path"}}
+        self.ctx.records.finish(task_id, Status.FAILED, result, response=(error.status, body.encode()))
+        if error.status >= 500:
+            # A server failure is not the call's outcome: free the key so a retry can run it.
+            self.ctx.redis.delete(keys.idempotency(call["tenant"], call["idem_key"]))
+        return {"code": error.status, "body": body}
+
+    def _replay(self, call: dict[str, Any], found: str) -> dict[str, Any]:
+        record = self.ctx.redis.hmget(keys.idempotency(call["tenant"], call["idem_key"]), "code", "body")
+        if record[0] is None:
+            return {"code": 404, "body": _json({"code": "not_found", "status": 404, "detail": found})}
+        return {"code": int(record[0]), "body": record[1].decode()}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@shared_task(bind=True, base=RunwardenTask, name="runwarden.ping")
+def ping(self: RunwardenTask) -> str:
+    return "pong"
+
+
+@shared_task(bind=True, base=RunwardenTask, name="runwarden.read_file", acks_late=True,
+             reject_on_worker_lost=True)
+def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
+    def tool() -> dict[str, Any]:
+        ws = self.ctx.workspace(call["tenant"], call["run_id"])
+        return read_file_tool(ws, call["parameters"]["path"])
+    return self.file_call(call, tool)
+
+
+@shared_task(bind=True, base=RunwardenTask, name="runwarden.apply_file_patch", acks_late=True,
+             reject_on_worker_lost=True)
+def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
+    def tool() -> dict[str, Any]:
+        ws = self.ctx.workspace(call["tenant"], call["run_id"])
+        p = call["parameters"]
+        return self.ctx.patches.apply(ws, call["tenant"], call["run_id"], self.request.id,
+                                      p["path"], p["diff"], p["base_sha"])
+    return self.file_call(call, tool)
+
+
+@shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False)
+def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any] | None:
+    """At most once: acked on receipt; a second delivery finds the call no longer queued and stops."""
+    ctx, task_id = self.ctx, self.request.id
+    control = subscribe_control(ctx.redis, task_id)
+    try:
+        found = ctx.records.start(task_id, _WORKER_NAME)
+        if found != "running":
+            log.info("shell call %s not started: it is %s", task_id, found)
+            return None
+        status, result, exit_json = _run_shell(ctx, task_id, call, control)
+        ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        return {"status": status.value, "result": result}
+    finally:
+        control.close()
+
+
+def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any) -> tuple[Status, Any, str]:
+    p = call["parameters"]
+    try:
+        if ctx.runner is None:
+            raise SandboxUnavailable(ctx.sandbox_error or "No sandbox is configured on this worker.")
+        ws = ctx.workspace(call["tenant"], call["run_id"])
+        cwd = p.get("cwd") or ""
+        if cwd:
+            with workspace.parent_dir(ws, cwd + "/."):
+                pass  # every component is a real directory, none a symlink
+        shell = ShellCall(ctx.settings, ctx.redis, ctx.runner, task_id,
+                          refresh_lease=lambda: ctx.records.refresh_lease(task_id, _WORKER_NAME))
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control)
+        return outcome.status, outcome.result, outcome.exit_event
+    except RunwardenError as exc:
+        result = {"code": exc.code, "message": exc.detail}
+        return Status.FAILED, result, exit_event(Status.FAILED, error=exc.code)
+    except (OSError, redis.RedisError) as exc:
+        log.exception("shell call %s could not run", task_id)
+        result = {"code": "unavailable", "message": f"The call could not run: {type(exc).__name__}."}
+        return Status.FAILED, result, exit_event(Status.FAILED, error="unavailable")
+
+
+def reap_lost_calls(records: Records, lease_s: int) -> int:
+    """Turn running shell calls whose lease expired into `lost`; run periodically by each worker."""
+    cutoff = int(time.time() * 1000) - lease_s * 1000
+    return sum(records.reap(task_id) for task_id in records.running_since(cutoff))

@@ -1,0 +1,140 @@
+"""File access inside one run's workspace that never follows a symlink.
+
+Every path is walked component by component from the workspace's directory fd with
+O_NOFOLLOW|O_DIRECTORY (a realpath-then-prefix check races a shell that swaps a directory for a
+symlink). Writes go to a temp file in the same directory, fsync, then rename over the target, so
+readers and crashes see the old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shared.errors import FileNotFound, PathForbidden, PayloadTooLarge
+
+MAX_READ_BYTES = 32 * 1024 * 1024
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class FileState:
+    """A file's bytes and the metadata a replacement keeps; `data` is None when it does not exist."""
+
+    data: bytes | None
+    mode: int = 0o644
+    uid: int = -1
+    gid: int = -1
+
+
+def workspace_dir(root: Path, tenant: str, run_id: str, owner_uid: int | None) -> Path:
+    """Create `<root>/<tenant>/<run_id>` if needed; hand it to the sandbox's user when we are root."""
+    path = root / tenant / run_id
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=0o711)
+        if owner_uid is not None:
+            os.chown(path, owner_uid, owner_uid)
+    return path
+
+
+@contextmanager
+def _open_dir(path: Path) -> Iterator[int]:
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def parent_dir(workspace: Path, relpath: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+    """A directory fd for the parent of `relpath` and the final name, reached without symlinks."""
+    *dirs, name = relpath.split("/")
+    fds = [os.open(workspace, _DIR_FLAGS)]
+    try:
+        for part in dirs:
+            fds.append(_step(fds[-1], part, create))
+        yield fds[-1], name
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _step(dir_fd: int, name: str, create: bool) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise FileNotFound("A directory on the path does not exist.") from None
+        st_parent = os.fstat(dir_fd)
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        os.chown(name, st_parent.st_uid, st_parent.st_gid, dir_fd=dir_fd, follow_symlinks=False)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _refusal(exc) from None
+
+
+def _refusal(exc: OSError) -> Exception:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+        return PathForbidden("The path goes through a symlink or a non-directory.")
+    return exc
+
+
+def read(dir_fd: int, name: str) -> FileState:
+    """The file's bytes; a missing file gives data=None. FIFOs, devices and symlinks are refused."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return FileState(None)
+    except OSError as exc:
+        raise _refusal(exc) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise PathForbidden("The path names a directory.")
+        if not stat.S_ISREG(st.st_mode):
+            raise PathForbidden("The path names a special file.")
+        if st.st_size > MAX_READ_BYTES:
+            raise PayloadTooLarge(f"The file is larger than {MAX_READ_BYTES} bytes.")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return FileState(b"".join(chunks), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+    finally:
+        os.close(fd)
+
+
+def replace(dir_fd: int, name: str, data: bytes, like: FileState) -> None:
+    """Atomically put `data` at `name`, keeping the old file's mode and owner (or the directory's)."""
+    tmp = f".{name[:200]}.rw-{secrets.token_hex(6)}.tmp"
+    if like.data is None:
+        st_dir = os.fstat(dir_fd)
+        mode, uid, gid = 0o644, st_dir.st_uid, st_dir.st_gid
+    else:
+        mode, uid, gid = like.mode, like.uid, like.gid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if os.geteuid() == 0:
+            os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def delete(dir_fd: int, name: str) -> None:
+    os.unlink(name, dir_fd=dir_fd)
+    os.fsync(dir_fd)
