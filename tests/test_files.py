@@ -1,0 +1,255 @@
+"""read_file and apply_file_patch end to end: HTTP → token → idempotency → Celery → worker → disk."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from workers.patching import ZERO_SHA, git_blob_sha
+
+
+def git_diff(tmp_path: Path, old: bytes | None, new: bytes | None, name: str = "f.txt") -> str:
+    """The diff `git diff --no-index` writes, so the applier is checked against git itself."""
+    a, b = tmp_path / "a" / name, tmp_path / "b" / name
+    for path, data in ((a, old), (b, new)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if data is not None:
+            path.write_bytes(data)
+    left = f"a/{name}" if old is not None else "/dev/null"
+    right = f"b/{name}" if new is not None else "/dev/null"
+    out = subprocess.run(["git", "diff", "--no-index", "--no-color", left, right], cwd=tmp_path,
+                         capture_output=True).stdout
+    return out.decode("utf-8")
+
+
+AWKWARD = {
+    "crlf": (b"one\r\ntwo\r\nthree\r\n", b"one\r\n2\r\nthree\r\n"),
+    "mixed_endings": (b"a\r\nb\nc\rd\r\n", b"a\r\nB\nc\rd\r\n"),
+    "no_final_newline": (b"alpha\nbeta", b"alpha\nbeta\ngamma"),
+    "add_final_newline": (b"alpha\nbeta", b"alpha\nbeta\n"),
+    "tabs_trailing_spaces": (b"\tindent  \nx \t\n", b"\tindent  \n\t\tx \t \n"),
+    "nbsp_emoji": ("a\u00a0b\n😀 smile\n".encode(), "a\u00a0b\n😀 grin 🎉\n".encode()),
+    "indonesian_cjk": ("Selamat pagi, dunia\n你好，世界\n".encode(), "Selamat malam, dunia\n你好，世界！\n".encode()),
+    "one_empty_line": (b"\n", b"\n\n"),
+    "backslashes_json": (b'{"a": "x\\\\y\\n"}\n', b'{"a": "x\\\\y\\t\\u00e9"}\n'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AWKWARD))
+def test_patch_is_byte_exact(agent, tmp_path: Path, name: str) -> None:
+    old, new = AWKWARD[name]
+    created = agent.call("apply_file_patch", {"path": f"awk/{name}.txt", "base_sha": ZERO_SHA,
+                                             "diff": git_diff(tmp_path / "c", None, old)})
+    assert created.status_code == 200, created.text
+    assert created.json()["result"]["new_sha"] == git_blob_sha(old)
+    response = agent.call("apply_file_patch", {"path": f"awk/{name}.txt", "base_sha": git_blob_sha(old),
+                                              "diff": git_diff(tmp_path / "p", old, new)})
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    assert result == {"path": f"awk/{name}.txt", "base_sha": git_blob_sha(old), "new_sha": git_blob_sha(new),
+                      "created": False, "deleted": False}
+    assert (agent.workspace / "awk" / f"{name}.txt").read_bytes() == new
+    read = agent.call("read_file", {"path": f"awk/{name}.txt"}).json()["result"]
+    assert read["sha"] == git_blob_sha(new) and read["size"] == len(new)
+    assert read["content"].encode() == new and read["encoding"] == "utf-8"
+
+
+def test_read_file_invalid_utf8_is_base64(agent) -> None:
+    agent.workspace.mkdir(parents=True, exist_ok=True)
+    (agent.workspace / "bin.dat").write_bytes(b"\xff\xfe\x00abc")
+    body = agent.call("read_file", {"path": "bin.dat"}).json()
+    assert body["result"]["encoding"] == "base64"
+    assert base64.b64decode(body["result"]["content"]) == b"\xff\xfe\x00abc"
+    assert body["result"]["sha"] == git_blob_sha(b"\xff\xfe\x00abc")
+
+
+def test_response_carries_ids_as_sent(agent) -> None:
+    call_id = str(uuid.uuid4()).upper()  # a UUID in upper case is still a UUID, echoed as sent
+    response = agent.call("read_file", {"path": "missing.txt"}, call_id=call_id)
+    assert response.status_code == 404
+    assert response.headers["Content-Type"] == "application/problem+json"
+    body = response.json()
+    assert body["code"] == "file_not_found" and body["call_id"] == call_id
+    assert body["tool_name"] == "read_file" and body["task_id"]
+
+
+def test_delete_and_recreate(agent, tmp_path: Path) -> None:
+    sha = agent.write("gone.txt", b"bye\n")
+    response = agent.call("apply_file_patch", {"path": "gone.txt", "base_sha": sha,
+                                              "diff": git_diff(tmp_path, b"bye\n", None, "gone.txt")})
+    assert response.status_code == 200, response.text
+    assert response.json()["result"]["deleted"] is True
+    assert response.json()["result"]["new_sha"] == ZERO_SHA
+    assert not (agent.workspace / "gone.txt").exists()
+    assert agent.call("read_file", {"path": "gone.txt"}).status_code == 404
+
+
+def test_base_sha_mismatch_is_412_with_current_sha(agent, tmp_path: Path) -> None:
+    sha = agent.write("v.txt", b"v1\n")
+    stale = git_blob_sha(b"v0\n")
+    response = agent.call("apply_file_patch", {"path": "v.txt", "base_sha": stale,
+                                              "diff": git_diff(tmp_path, b"v0\n", b"v2\n", "v.txt")})
+    assert response.status_code == 412
+    assert response.json()["code"] == "base_sha_mismatch" and response.json()["current_sha"] == sha
+    assert (agent.workspace / "v.txt").read_bytes() == b"v1\n"
+
+
+def test_create_over_existing_file_is_412(agent, tmp_path: Path) -> None:
+    sha = agent.write("exists.txt", b"here\n")
+    response = agent.call("apply_file_patch", {"path": "exists.txt", "base_sha": ZERO_SHA,
+                                              "diff": git_diff(tmp_path, None, b"new\n", "exists.txt")})
+    assert response.status_code == 412 and response.json()["current_sha"] == sha
+
+
+def test_patch_missing_file_is_404(agent, tmp_path: Path) -> None:
+    response = agent.call("apply_file_patch", {"path": "nope.txt", "base_sha": git_blob_sha(b"x\n"),
+                                              "diff": git_diff(tmp_path, b"x\n", b"y\n", "nope.txt")})
+    assert response.status_code == 404 and response.json()["code"] == "file_not_found"
+
+
+@pytest.mark.parametrize("diff", [
+    "not a diff at all\n",
+    "--- a/f.txt\n+++ b/f.txt\n",  # no hunk
+    "--- a/f.txt\n+++ b/f.txt\n@@ -1,2 +1,2 @@\n-x\n+y\n",  # counts do not match lines
+    "--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-different\n+y\n",  # context does not match
+    "--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-x \n+y\n",  # trailing space differs: no whitespace fixing
+    "--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-x\r\n+y\n",  # CRLF vs LF: no line-ending fixing
+    "--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-x\n+y\n--- a/g.txt\n+++ b/g.txt\n@@ -1 +1 @@\n-x\n+y\n",
+])
+def test_patch_that_does_not_apply_is_422_and_changes_nothing(agent, diff: str) -> None:
+    sha = agent.write("f.txt", b"x\n")
+    response = agent.call("apply_file_patch", {"path": "f.txt", "base_sha": sha, "diff": diff})
+    assert response.status_code == 422, response.text
+    assert response.json()["code"] == "patch_does_not_apply"
+    assert (agent.workspace / "f.txt").read_bytes() == b"x\n"
+
+
+def test_mode_is_kept(agent, tmp_path: Path) -> None:
+    sha = agent.write("run.sh", b"#!/bin/sh\necho a\n")
+    (agent.workspace / "run.sh").chmod(0o755)
+    response = agent.call("apply_file_patch", {"path": "run.sh", "base_sha": sha, "diff": git_diff(
+        tmp_path, b"#!/bin/sh\necho a\n", b"#!/bin/sh\necho b\n", "run.sh")})
+    assert response.status_code == 200
+    assert (agent.workspace / "run.sh").stat().st_mode & 0o777 == 0o755
+
+
+# --- idempotency -------------------------------------------------------------------------------
+
+def test_replay_is_byte_identical_and_runs_nothing(agent, tmp_path: Path) -> None:
+    agent.write("r.txt", b"1\n")
+    params = {"path": "r.txt", "base_sha": git_blob_sha(b"1\n"), "diff": git_diff(tmp_path, b"1\n", b"2\n", "r.txt")}
+    call_id, key = str(uuid.uuid4()), f"key-{uuid.uuid4()}"
+    first = agent.call("apply_file_patch", params, key=key, call_id=call_id)
+    assert first.status_code == 200 and "Idempotent-Replayed" not in first.headers
+    (agent.workspace / "r.txt").write_bytes(b"changed behind our back\n")
+    second = agent.call("apply_file_patch", params, key=f'"{key}"', call_id=call_id)  # quoted form, same key
+    assert second.status_code == 200
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.content == first.content
+    assert (agent.workspace / "r.txt").read_bytes() == b"changed behind our back\n"
+
+
+def test_replay_keeps_the_calls_own_error_outcome(agent) -> None:
+    key, call_id = uuid.uuid4().hex, str(uuid.uuid4())
+    first = agent.call("read_file", {"path": "later.txt"}, key=key, call_id=call_id)
+    assert first.status_code == 404
+    agent.write("later.txt", b"now it exists\n")
+    again = agent.call("read_file", {"path": "later.txt"}, key=key, call_id=call_id)
+    assert again.status_code == 404 and again.content == first.content
+    assert again.headers["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.parametrize("change", ["tool", "parameters", "call_id", "run"])
+def test_same_key_different_request_is_422(agent, make_agent, change: str) -> None:
+    agent.write("a.txt", b"a\n")
+    key, call_id = uuid.uuid4().hex, str(uuid.uuid4())
+    assert agent.call("read_file", {"path": "a.txt"}, key=key, call_id=call_id).status_code == 200
+    caller, tool, params = agent, "read_file", {"path": "a.txt"}
+    if change == "tool":
+        tool, params = "execute_shell_command", {"command": "true"}
+    elif change == "parameters":
+        params = {"path": "b.txt"}
+    elif change == "call_id":
+        call_id = str(uuid.uuid4())
+    else:
+        caller = make_agent(tenant=agent.tenant)  # same tenant, another run
+    response = caller.call(tool, params, key=key, call_id=call_id)
+    assert response.status_code == 422, response.text
+    assert response.json()["code"] == "idempotency_key_reused"
+
+
+def test_keys_are_scoped_per_tenant(agent, make_agent) -> None:
+    other = make_agent()
+    key = uuid.uuid4().hex
+    agent.write("x.txt", b"mine\n")
+    other.write("x.txt", b"theirs\n")
+    mine = agent.call("read_file", {"path": "x.txt"}, key=key)
+    theirs = other.call("read_file", {"path": "x.txt"}, key=key)
+    assert mine.json()["result"]["content"] == "mine\n"
+    assert theirs.json()["result"]["content"] == "theirs\n"
+    assert mine.json()["task_id"] != theirs.json()["task_id"]
+
+
+def test_concurrent_identical_requests_execute_once(agent, tmp_path: Path) -> None:
+    agent.write("c.txt", b"0\n")
+    params = {"path": "c.txt", "base_sha": git_blob_sha(b"0\n"), "diff": git_diff(tmp_path, b"0\n", b"1\n", "c.txt")}
+    key, call_id = uuid.uuid4().hex, str(uuid.uuid4())
+    body = json.dumps({"tool_name": "apply_file_patch", "call_id": call_id, "parameters": params})
+    url = f"{agent.stack.base_url}/v1/tool-calls"
+
+    def post(_: int) -> requests.Response:
+        return requests.post(url, data=body, headers=agent.headers(key), timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        responses = list(pool.map(post, range(50)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 409}, codes
+    fresh = [r for r in responses if r.status_code == 200 and "Idempotent-Replayed" not in r.headers]
+    assert len(fresh) == 1
+    for conflict in (r for r in responses if r.status_code == 409):
+        assert conflict.json()["code"] == "idempotency_key_in_use" and conflict.headers["Retry-After"]
+        assert conflict.json()["task_id"] == fresh[0].json()["task_id"]
+    attempts = agent.stack.redis.hget(f"rw:task:{fresh[0].json()['task_id']}", "attempts")
+    assert attempts == b"1"
+    assert (agent.workspace / "c.txt").read_bytes() == b"1\n"
+
+
+def test_two_patches_on_one_base_sha_only_one_applies(agent, tmp_path: Path) -> None:
+    sha = agent.write("race.txt", b"base\n")
+    diffs = [git_diff(tmp_path / str(i), b"base\n", f"version {i}\n".encode(), "race.txt") for i in range(2)]
+
+    def patch(i: int) -> requests.Response:
+        return agent.call("apply_file_patch", {"path": "race.txt", "base_sha": sha, "diff": diffs[i]})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(patch, range(2)))
+    assert sorted(r.status_code for r in responses) == [200, 412]
+    winner = next(r for r in responses if r.status_code == 200).json()["result"]["new_sha"]
+    loser = next(r for r in responses if r.status_code == 412).json()
+    assert loser["current_sha"] == winner
+    assert git_blob_sha((agent.workspace / "race.txt").read_bytes()) == winner
+
+
+def test_get_returns_the_record(agent) -> None:
+    agent.write("g.txt", b"g\n")
+    posted = agent.call("read_file", {"path": "g.txt"}).json()
+    got = agent.get(posted["task_id"])
+    assert got.status_code == 200
+    assert got.json() == posted
+
+
+def test_other_tenants_task_is_404(agent, make_agent) -> None:
+    agent.write("s.txt", b"secret\n")
+    task_id = agent.call("read_file", {"path": "s.txt"}).json()["task_id"]
+    intruder = make_agent()
+    response = intruder.get(task_id)
+    assert response.status_code == 404 and response.json()["code"] == "not_found"
+    assert "secret" not in response.text
+    unknown = agent.get(str(uuid.uuid4()))
+    assert unknown.status_code == 404 and unknown.json() == {**unknown.json(), "code": "not_found"}
