@@ -6,6 +6,7 @@ way production does (redis-server, `celery … worker` with its prefork pool, gu
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -74,22 +75,33 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
         pass
 
 
-def start_redis(stack: Stack, data_dir: Path, port: int | None = None) -> str:
+def start_redis(stack: Stack, data_dir: Path, port: int | None = None, password: str | None = None) -> str:
+    """An embedded redis-server on loopback with a random password: a sandbox granted
+    `shell:network` shares the host's network, and must not be able to talk to Redis."""
     port = port or free_port()
+    password = password or secrets.token_hex(24)
     data_dir.mkdir(parents=True, exist_ok=True)
-    stack.start("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                          "--appendonly", "no", "--dir", str(data_dir), "--protected-mode", "yes"],
+    config = data_dir / "redis.conf"
+    config.write_text(f"requirepass {password}\n")
+    config.chmod(0o600)
+    stack.start("redis", [find_redis_server(), str(config), "--port", str(port), "--bind", "127.0.0.1",
+                          "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
                 os.environ.copy(), data_dir / "redis.log")
-    url = f"redis://127.0.0.1:{port}/0"
-    wait_for(lambda: _redis_answers(port), 20, "redis-server")
-    return url
+    wait_for(lambda: _redis_answers(port, password), 20, "redis-server")
+    return f"redis://:{password}@127.0.0.1:{port}/0"
 
 
-def _redis_answers(port: int) -> bool:
+def _redis_answers(port: int, password: str) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
+            conn.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+            answer = b""
+            while b"\r\n" not in answer.partition(b"\r\n")[2]:
+                chunk = conn.recv(64)
+                if not chunk:
+                    break
+                answer += chunk
+            return answer.startswith(b"+OK\r\n+PONG")
     except OSError:
         return False
 

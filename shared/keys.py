@@ -78,6 +78,11 @@ def patch_intent(task_id: str) -> str:
     return f"{PREFIX}:intent:{task_id}"
 
 
+def rate(tenant: str, second: int) -> str:
+    """Counter of one tenant's tool calls in one wall-clock second."""
+    return f"{PREFIX}:rate:{tenant}:{second}"
+
+
 def revoked_jti(jti: str) -> str:
     """String present while a token id is revoked."""
     return f"{PREFIX}:revoked:{jti}"

@@ -62,7 +62,7 @@ class Settings:
     sandbox_uid: int
     visibility_timeout_s: int
     lease_s: int
-    ws_queue_events: int
+    rate_limit_per_s: int
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -98,7 +98,7 @@ class Settings:
             sandbox_uid=_int(env, "RUNWARDEN_SANDBOX_UID", 65534, 1),
             visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
             lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
-            ws_queue_events=_int(env, "RUNWARDEN_WS_QUEUE_EVENTS", 256, 8),
+            rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 200, 1),
         )
 
     @property

@@ -5,6 +5,7 @@ import time
 
 from flask import Blueprint, Response, request
 
+from api import openapi
 from api.metrics import exposition
 from api.problems import json_response
 from api.runtime import runtime
@@ -54,6 +55,11 @@ def _worker_answers() -> bool:
         ok = False
     _WORKER_CHECK.update(at=now, ok=ok)
     return ok
+
+
+@bp.get("/openapi.json")
+def openapi_document() -> Response:
+    return json_response(openapi.document())
 
 
 @bp.get("/metrics")

@@ -1,0 +1,185 @@
+"""The benchmark's own stack on loopback, started with shared.devstack like `runwarden dev` and the tests:
+redis-server, the product worker (prefork, concurrency 2), the gunicorn API; plus the floor's
+gunicorn app and floor worker, started through the same devstack functions so their settings are
+the product's by construction (only the app module and the queue differ).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from subprocess import Popen
+
+import redis
+
+from bench import floor_sandbox
+from bench.names import FLOOR_QUEUE
+from shared import devstack
+from shared.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+API_APP = "api.app:create_app()"
+FLOOR_APP = "bench.floor_app:create_app()"
+WORKER_APP = "workers.worker"
+FLOOR_WORKER_APP = "bench.floor_worker"
+
+
+@dataclass
+class BenchStack:
+    stack: devstack.Stack
+    root: Path
+    logs: Path
+    env: dict[str, str]
+    secret: str
+    redis_url: str
+    api_url: str
+    floor_url: str
+    api: Popen[bytes]
+    worker: Popen[bytes]
+    floor_api: Popen[bytes]
+    floor_worker: Popen[bytes]
+    settings: Settings
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def stop(self) -> None:
+        try:
+            self.stack.stop()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _Retarget(devstack.Stack):
+    """Hands a devstack start function's argv to the real stack with one argument swapped,
+    so the floor server runs with the API's exact gunicorn flags (and the floor worker with the worker's)."""
+
+    def __init__(self, real: devstack.Stack, name: str, old: str, new: str) -> None:
+        super().__init__()
+        self.real, self.name, self.old, self.new = real, name, old, new
+
+    def start(self, name, argv, env, log=None):  # type: ignore[no-untyped-def,override]
+        assert self.old in argv, (self.old, argv)
+        return self.real.start(self.name, [self.new if arg == self.old else arg for arg in argv], env, log)
+
+
+def start(logs: Path) -> BenchStack:
+    stack = devstack.Stack()
+    # Like tests/conftest.py reachable_workspaces: a 0711 root under /tmp, so bwrap runs unprivileged.
+    root = Path(tempfile.mkdtemp(prefix="runwarden-bench-", dir="/tmp"))
+    root.chmod(0o711)
+    logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob("*.log"):
+        old.unlink()
+    try:
+        redis_url = devstack.start_redis(stack, root / "redis")
+        # The pub/sub floor publishes faster than one subscriber drains; let Redis buffer it (the
+        # product's relay is a Redis Stream, which has no such limit) instead of dropping the subscriber.
+        redis.Redis.from_url(redis_url).config_set("client-output-buffer-limit", "pubsub 0 0 0")
+        secret = secrets.token_urlsafe(36)  # 48 characters
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
+        env.update({
+            "RUNWARDEN_REDIS_URL": redis_url,
+            "RUNWARDEN_JWT_SECRET": secret,
+            "RUNWARDEN_WORKSPACES": str(root / "workspaces"),
+            "RUNWARDEN_KILL_GRACE_MS": "500",  # only cancels use it: the idle streams are cancelled at the end
+            "BENCH_FLOOR_ROOT": str(root / "floor"),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        })
+        settings = Settings.from_env(env)
+        floor_sandbox.build(settings, root / "floor")  # writes the floor's /etc files before its worker starts
+        tag = uuid.uuid4().hex[:6]
+        worker = devstack.start_worker(stack, env, concurrency=2, name=f"bench-{tag}", log=logs / "worker.log")
+        floor_worker = devstack.start_worker(_Retarget(stack, "floor-worker", WORKER_APP, FLOOR_WORKER_APP), env,
+                                             concurrency=2, name=f"floor-{tag}", queues=FLOOR_QUEUE,
+                                             log=logs / "floor-worker.log")
+        api_port, floor_port = devstack.free_port(), devstack.free_port()
+        api = devstack.start_api(stack, env, HOST, api_port, log=logs / "api.log")
+        floor_api = devstack.start_api(_Retarget(stack, "floor-api", API_APP, FLOOR_APP), env, HOST, floor_port,
+                                       log=logs / "floor-api.log")
+        api_url, floor_url = f"http://{HOST}:{api_port}", f"http://{HOST}:{floor_port}"
+        devstack.wait_for(lambda: devstack.http_ok(f"{api_url}/readyz"), 90, "the runwarden stack", stack)
+        devstack.wait_for(lambda: devstack.http_ok(f"{floor_url}/healthz"), 60, "the floor app", stack)
+        devstack.wait_for(lambda: _floor_worker_answers(floor_url), 60, "the floor worker", stack)
+    except BaseException:
+        stack.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return BenchStack(stack, root, logs, env, secret, redis_url, api_url, floor_url, api, worker, floor_api,
+                      floor_worker, settings)
+
+
+def _floor_worker_answers(floor_url: str) -> bool:
+    import urllib.request
+    try:
+        request = urllib.request.Request(f"{floor_url}/sandbox", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status == 200
+    except OSError:
+        time.sleep(0.5)
+        return False
+
+
+# --- processes and memory ---------------------------------------------------------------------------
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def same_program_children(pid: int) -> list[int]:
+    """Children running the same executable (the pool processes or gunicorn workers, not bwrap)."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return []
+    kids = []
+    for child in children(pid):
+        try:
+            if os.readlink(f"/proc/{child}/exe") == exe:
+                kids.append(child)
+        except OSError:
+            pass
+    return sorted(kids)
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def api_worker_pid(bench: BenchStack) -> int:
+    kids = same_program_children(bench.api.pid)
+    if len(kids) != 1:
+        raise RuntimeError(f"expected one gunicorn worker under {bench.api.pid}, found {kids}")
+    return kids[0]
+
+
+def worker_rss(bench: BenchStack) -> dict[str, int]:
+    """VmRSS (KiB) of the celery main process and each pool child."""
+    main = bench.worker.pid
+    out = {f"main:{main}": rss_kib(main)}
+    for child in same_program_children(main):
+        out[f"child:{child}"] = rss_kib(child)
+    return out

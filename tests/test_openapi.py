@@ -1,0 +1,62 @@
+"""The OpenAPI document matches the code, and schemathesis fuzzes the live API against it."""
+from __future__ import annotations
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
+                                 status_code_conformance)
+
+from api import openapi
+from shared.schema import TOOLS
+from tests.conftest import Agent
+from shared.settings import Settings
+
+@pytest.fixture(scope="module")
+def live_schema(stack):  # type: ignore[no-untyped-def]
+    document = requests.get(f"{stack.base_url}/openapi.json", timeout=10).json()
+    return schemathesis.openapi.from_dict(document)
+
+
+@pytest.fixture(scope="module")
+def fuzz_agent(stack):  # type: ignore[no-untyped-def]
+    # No shell scope: generated commands are validated, then refused (403), never run.
+    return Agent(stack, "fuzz", "run1", ["files:read", "files:write"], ["**"])
+
+
+def test_document_is_served_and_complete(stack) -> None:
+    document = requests.get(f"{stack.base_url}/openapi.json", timeout=10).json()
+    assert document == openapi.document()
+    variants = document["paths"]["/v1/tool-calls"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {v["properties"]["tool_name"]["const"]: v["properties"]["parameters"] for v in variants["oneOf"]} == \
+        {name: tool.parameters for name, tool in TOOLS.items()}
+
+
+def test_every_route_is_documented(stack) -> None:
+    from api.app import create_app
+
+    app = create_app(Settings.from_env(stack.env))
+    routes = {(rule.rule.replace("<task_id>", "{task_id}"), method.lower())
+              for rule in app.url_map.iter_rules() for method in rule.methods - {"HEAD", "OPTIONS"}}
+    routes.discard(("/v1/tool-calls/{task_id}/stream", "get"))  # WebSocket: described in the text
+    documented = {(path, method) for path, item in openapi.document()["paths"].items() for method in item}
+    assert routes == documented
+
+
+def test_api_never_contradicts_its_document(live_schema, fuzz_agent, stack) -> None:  # type: ignore[no-untyped-def]
+    """schemathesis generates requests from the document for every operation (its pytest plugin
+    does not support pytest 9 yet, so its strategies drive hypothesis directly)."""
+    headers = {"Authorization": f"Bearer {fuzz_agent.token}"}
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    operations = [result.ok() for result in live_schema.get_all_operations()]
+    assert len(operations) == 8
+    calls = []
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def fuzz(case) -> None:  # type: ignore[no-untyped-def]
+            calls.append(case.call_and_validate(base_url=stack.base_url, headers=headers, checks=checks).status_code)
+
+        fuzz()
+    assert len(calls) > 50 and 200 in calls and 403 in calls, sorted(set(calls))
