@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery.exceptions import TimeoutError as CeleryTimeout
 from flask import Response, request
 from kombu.exceptions import OperationalError
 from redis import RedisError
@@ -120,9 +119,7 @@ def submit(rt: Runtime, accepted: Accepted) -> Response:
 
 
 def _enqueue(rt: Runtime, accepted: Accepted) -> None:
-    result = rt.celery.AsyncResult(accepted.task_id)
     try:
-        result.forget()  # a released earlier claim under this id may have left a stale result
         rt.celery.send_task(f"runwarden.{accepted.call.tool_name}", args=[accepted.message()],
                             task_id=accepted.task_id)
     except (OperationalError, RedisError, OSError):
@@ -135,24 +132,18 @@ def _enqueue(rt: Runtime, accepted: Accepted) -> None:
 
 
 def _answer_file(rt: Runtime, accepted: Accepted, ids: dict[str, str]) -> Response:
-    try:
-        outcome = rt.celery.AsyncResult(accepted.task_id).get(timeout=rt.settings.wait_file_result_s,
-                                                              propagate=False)
-    except CeleryTimeout:
+    """Wait for the worker's own record of the response (not Celery's result backend, which forgets)."""
+    rt.records.wait_done(accepted.task_id, rt.settings.wait_file_result_s)
+    response = rt.records.response(accepted.task_id)
+    if response is None:
         return json_response({**ids, "status": Status.QUEUED.value}, 202)
-    if not isinstance(outcome, dict) or "code" not in outcome:
-        raise Unavailable("The worker did not report an outcome.")
-    content_type = PROBLEM_JSON if outcome["code"] >= 400 else "application/json"
-    return json_response(outcome["body"].encode(), outcome["code"], content_type)
+    code, body = response
+    return json_response(body, code, PROBLEM_JSON if code >= 400 else "application/json")
 
 
 def _answer_shell(rt: Runtime, accepted: Accepted, accepted_body: bytes) -> Response:
     wait_s = prefer_wait()
-    if wait_s:
-        try:
-            rt.celery.AsyncResult(accepted.task_id).get(timeout=wait_s, propagate=False)
-        except CeleryTimeout:
-            pass
+    if wait_s and rt.records.wait_done(accepted.task_id, wait_s):
         view = rt.records.get(accepted.task_id)
         if view is not None and view.status.terminal:
             body = json.dumps({**view.public(), "stream_url": stream_url(accepted.task_id)},

@@ -44,7 +44,7 @@ def fingerprint(run_id: str, tool_name: str, call_id: str, parameters: dict[str,
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# KEYS: idempotency record, task record.
+# KEYS: idempotency record, task record, done list.
 # ARGV: fingerprint, task id, ttl ms, tenant, run id, call id, tool name, created ms, accepted code, accepted body.
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -53,7 +53,7 @@ end
 redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'task_id', ARGV[2], 'state', 'pending',
            'code', ARGV[9], 'body', ARGV[10])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('DEL', KEYS[2])  -- a task record left by a claim released after a server failure
+redis.call('DEL', KEYS[2], KEYS[3])  -- what a claim released after a server failure left
 redis.call('HSET', KEYS[2], 'tenant', ARGV[4], 'run_id', ARGV[5], 'call_id', ARGV[6],
            'tool_name', ARGV[7], 'status', 'queued', 'created_ms', ARGV[8], 'idem', KEYS[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -105,7 +105,7 @@ class Idempotency:
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
         found = self._claim(
-            keys=[keys.idempotency(tenant, key), keys.task(task_id)],
+            keys=[keys.idempotency(tenant, key), keys.task(task_id), keys.done(task_id)],
             args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body],
         )
         if not found:

@@ -63,6 +63,11 @@ def live(task_id: str) -> str:
     return f"{PREFIX}:live:{task_id}"
 
 
+def done(task_id: str) -> str:
+    """List pushed once when the call ends, so the API can wait with BLPOP instead of polling."""
+    return f"{PREFIX}:done:{task_id}"
+
+
 def control(task_id: str) -> str:
     """Pub/sub channel carrying signals and cancels to the worker running the call."""
     return f"{PREFIX}:ctl:{task_id}"

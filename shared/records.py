@@ -34,10 +34,11 @@ return 'running'
 
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
 _END = """
-local function finish(task_key, lease_key, running_key, log_key, task_id, new_status, result, now_ms,
-                      ttl_ms, code, body, exit_event, retention_ms)
+local function finish(task_key, lease_key, running_key, log_key, done_key, task_id, new_status, result,
+                      now_ms, ttl_ms, code, body, exit_event, retention_ms)
   local idem = redis.call('HGET', task_key, 'idem')
   redis.call('HSET', task_key, 'status', new_status, 'result', result, 'finished_ms', now_ms)
+  if code ~= '' then redis.call('HSET', task_key, 'code', code, 'body', body) end
   redis.call('PEXPIRE', task_key, ttl_ms)
   if idem then
     redis.call('HSET', idem, 'state', 'done')
@@ -46,6 +47,8 @@ local function finish(task_key, lease_key, running_key, log_key, task_id, new_st
   end
   redis.call('DEL', lease_key)
   redis.call('ZREM', running_key, task_id)
+  redis.call('RPUSH', done_key, '1')
+  redis.call('PEXPIRE', done_key, 60000)
   if exit_event ~= '' then
     local seq = 1
     local last = redis.call('XREVRANGE', log_key, '+', '-', 'COUNT', 1)
@@ -61,21 +64,21 @@ local function terminal(status)
 end
 """
 
-# KEYS: task, lease, running set, log. ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
+# KEYS: task, lease, running set, log, done. ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
 _FINISH = _END + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or terminal(status) then return 0 end
-return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
-              ARGV[7], ARGV[8], ARGV[9])
+return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
+              ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 """
 
-# KEYS: task, lease, running set, log. ARGV: task id, result, now, ttl, exit event, retention.
+# KEYS: task, lease, running set, log, done. ARGV: task id, result, now, ttl, exit event, retention.
 # A queued call is cancelled at once; a running one is flagged and its worker is told.
 _CANCEL = _END + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'queued' then
-  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], 'cancelled', ARGV[2], ARGV[3], ARGV[4], '', '',
+  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2], ARGV[3], ARGV[4], '', '',
          ARGV[5], ARGV[6])
   return 'cancelled'
 end
@@ -83,10 +86,10 @@ if status == 'running' then redis.call('HSET', KEYS[1], 'cancel', '1') end
 return status
 """
 
-# KEYS: task, lease, running set, log. ARGV: task id, result, now, ttl, exit event, retention.
+# KEYS: task, lease, running set, log, done. ARGV: task id, result, now, ttl, exit event, retention.
 _REAP = _END + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], 'lost', ARGV[2], ARGV[3], ARGV[4], '', '',
+return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'lost', ARGV[2], ARGV[3], ARGV[4], '', '',
               ARGV[5], ARGV[6])
 """
 
@@ -139,7 +142,7 @@ class Records:
         self._reap = client.register_script(_REAP)
 
     def _keys(self, task_id: str) -> list[str]:
-        return [keys.task(task_id), keys.lease(task_id), keys.RUNNING_SET, keys.log(task_id)]
+        return [keys.task(task_id), keys.lease(task_id), keys.RUNNING_SET, keys.log(task_id), keys.done(task_id)]
 
     def get(self, task_id: str) -> TaskView | None:
         fields = self.client.hgetall(keys.task(task_id))
@@ -205,6 +208,19 @@ class Records:
             keys=self._keys(task_id),
             args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],
         ))
+
+    def response(self, task_id: str) -> tuple[int, bytes] | None:
+        """The HTTP response a worker recorded for the call (file tools), if it has ended."""
+        code, body = self.client.hmget(keys.task(task_id), "code", "body")
+        return (int(code), body) if code is not None else None
+
+    def wait_done(self, task_id: str, timeout_s: float) -> bool:
+        """Block until the call has ended (or the timeout); in short BLPOPs, below socket timeouts."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.client.blpop([keys.done(task_id)], timeout=max(0.01, min(left, 5.0))) is not None:
+                return True
+        return False
 
     def running_since(self, older_than_ms: int) -> list[str]:
         return [t.decode() for t in self.client.zrangebyscore(keys.RUNNING_SET, 0, older_than_ms)]

@@ -98,7 +98,7 @@ class Settings:
             sandbox_uid=_int(env, "RUNWARDEN_SANDBOX_UID", 65534, 1),
             visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
             lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
-            rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 200, 1),
+            rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 1000, 1),
         )
 
     @property

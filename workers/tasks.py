@@ -113,7 +113,7 @@ def ping(self: RunwardenTask) -> str:
 
 
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.read_file", acks_late=True,
-             reject_on_worker_lost=True)
+             reject_on_worker_lost=True, ignore_result=True)
 def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
     def tool() -> dict[str, Any]:
         ws = self.ctx.workspace(call["tenant"], call["run_id"])
@@ -122,7 +122,7 @@ def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
 
 
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.apply_file_patch", acks_late=True,
-             reject_on_worker_lost=True)
+             reject_on_worker_lost=True, ignore_result=True)
 def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
     def tool() -> dict[str, Any]:
         ws = self.ctx.workspace(call["tenant"], call["run_id"])
@@ -132,7 +132,8 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
     return self.file_call(call, tool)
 
 
-@shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False)
+@shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False,
+             ignore_result=True)
 def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any] | None:
     """At most once: acked on receipt; a second delivery finds the call no longer queued and stops."""
     ctx, task_id = self.ctx, self.request.id

@@ -30,7 +30,7 @@ def _echo_call_ids() -> None:
 
 
 def _body() -> object:
-    if request.mimetype != "application/json":
+    if request.mimetype not in ("application/json", ""):  # a missing Content-Type is read as JSON
         raise UnsupportedMediaType("Send the tool call as application/json.")
     raw = request.get_data(cache=True)  # bounded by MAX_CONTENT_LENGTH: larger is a 413 before this
     try:
