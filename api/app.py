@@ -19,7 +19,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask("runwarden", static_folder=None)
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,  # 413 before the body is parsed
-        SOCK_SERVER_OPTIONS={"subprotocols": ["runwarden.v1"], "max_message_size": MAX_CLIENT_MESSAGE},
+        # Pings keep a silent stream (a 60 s command printing nothing) open through idle-timeout proxies.
+        SOCK_SERVER_OPTIONS={"subprotocols": ["runwarden.v1"], "max_message_size": MAX_CLIENT_MESSAGE,
+                             "ping_interval": 25},
         JSON_SORT_KEYS=False,
     )
     app.extensions["runwarden"] = Runtime.build(settings, create_celery(settings))

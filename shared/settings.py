@@ -65,12 +65,13 @@ class Settings:
     rate_limit_per_s: int
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: dict[str, str] | None = None, *, require_jwt: bool = True) -> "Settings":
+        """`require_jwt=False` for workers, which never verify tokens."""
         env = dict(os.environ if environ is None else environ)
         redis_url = env.get("RUNWARDEN_REDIS_URL", "")
         if not redis_url:
             raise SettingsError("RUNWARDEN_REDIS_URL is not set (runwarden dev sets it for you)")
-        secret, public_key, algorithms = _jwt_keys(env)
+        secret, public_key, algorithms = _jwt_keys(env) if require_jwt or _has_jwt(env) else (None, None, ())
         sandbox = env.get("RUNWARDEN_SANDBOX", "bwrap")
         if sandbox not in ("bwrap", "none"):
             raise SettingsError(f"RUNWARDEN_SANDBOX must be 'bwrap' or 'none', got {sandbox!r}")
@@ -104,6 +105,10 @@ class Settings:
     @property
     def jwt_verify_key(self) -> bytes:
         return self.jwt_public_key if self.jwt_public_key is not None else self.jwt_secret  # type: ignore[return-value]
+
+
+def _has_jwt(env: dict[str, str]) -> bool:
+    return bool(env.get("RUNWARDEN_JWT_SECRET") or env.get("RUNWARDEN_JWT_PUBLIC_KEY"))
 
 
 def _jwt_keys(env: dict[str, str]) -> tuple[bytes | None, bytes | None, tuple[str, ...]]:

@@ -67,6 +67,7 @@ def test_awkward_bytes_survive(agent) -> None:
     agent.workspace.mkdir(parents=True, exist_ok=True)
     (agent.workspace / "payload.bin").write_bytes(payload + b"\xff\xfe invalid \xc3(\n")
     received = watch(agent, start(agent, "cat payload.bin"))
+    assert received.exit["status"] == "completed", received.exit
     assert received.bytes_of("stdout") == payload + b"\xff\xfe invalid \xc3(\n"
     assert any("data_b64" in e for e in received.events if e["type"] == "output")
     assert received.exit["stdout_sha256"] == hashlib.sha256(payload + b"\xff\xfe invalid \xc3(\n").hexdigest()
@@ -75,6 +76,7 @@ def test_awkward_bytes_survive(agent) -> None:
 def test_eight_mib_output_is_complete(agent) -> None:
     task_id = start(agent, "head -c 8388608 /dev/urandom | base64 -w 100; head -c 1000000 /dev/urandom")
     received = watch(agent, task_id)
+    assert received.exit["status"] == "completed", received.exit
     out = received.bytes_of("stdout")
     received.check_sequence()
     assert received.exit["stdout_bytes"] == len(out) > 8 * 1024 * 1024
@@ -209,3 +211,13 @@ def test_sandbox_runs_as_an_unprivileged_host_uid(agent) -> None:
     body = agent.shell("id -u; touch made-here", wait=30).json()
     assert body["result"]["stdout"] == "1000\n"  # its own user namespace
     assert (agent.workspace / "made-here").stat().st_uid == 65534  # and not host root outside it
+
+
+def test_a_fork_bomb_does_not_starve_its_neighbours(agent, make_agent) -> None:
+    bomb = start(agent, "bomb() { bomb | bomb & }; bomb; sleep 3", timeout_ms=4000)
+    time.sleep(1)
+    neighbour = make_agent().shell("echo still here", wait=30).json()
+    assert neighbour["status"] == "completed" and neighbour["result"]["stdout"] == "still here\n"
+    assert finished(agent, bomb)["status"] == "completed"
+    after = agent.shell("echo worker fine", wait=30).json()
+    assert after["result"]["stdout"] == "worker fine\n"

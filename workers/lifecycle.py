@@ -30,13 +30,19 @@ def connect_worker_signals(app: Celery) -> None:
             sandbox.self_test(runner, settings.workspaces / ".sandbox-selftest")
         except SandboxUnavailable as exc:
             app.runwarden_sandbox_error = exc.detail  # type: ignore[attr-defined]
-            log.error("SANDBOX UNAVAILABLE, shell calls will be refused: %s", exc.detail)
+            return
+        except Exception as exc:  # whatever broke, shell calls are refused, never run unconfined
+            app.runwarden_sandbox_error = f"sandbox setup failed: {type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
             return
         app.runwarden_runner = runner  # type: ignore[attr-defined]
-        log.info("sandbox self-test passed (%s)", runner.name)
 
     @worker_ready.connect(weak=False)
     def start_reaper(**_: object) -> None:
+        # Logged here: worker_init runs before Celery has set up logging.
+        if app.runwarden_sandbox_error:  # type: ignore[attr-defined]
+            log.error("SANDBOX UNAVAILABLE, shell calls are refused: %s", app.runwarden_sandbox_error)  # type: ignore[attr-defined]
+        else:
+            log.info("sandbox self-test passed (%s)", app.runwarden_runner.name)  # type: ignore[attr-defined]
         threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
 
     @worker_shutdown.connect(weak=False)

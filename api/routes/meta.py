@@ -11,7 +11,6 @@ from api.problems import json_response
 from api.runtime import runtime
 from shared.errors import SchemaInvalid, Unavailable
 from shared.schema import openai_tools, tool_definitions
-from workers.celery_app import PING_TASK
 
 bp = Blueprint("meta", __name__)
 _WORKER_CHECK = {"at": 0.0, "ok": False}
@@ -44,14 +43,14 @@ def readyz() -> Response:
 
 
 def _worker_answers() -> bool:
-    """A worker consumed and answered a ping task within a second (cached briefly)."""
+    """A worker answered a broadcast ping within a second (cached briefly). Control messages are
+    handled by each worker's main process, so a fleet busy with long calls still answers."""
     now = time.monotonic()
     if now - _WORKER_CHECK["at"] < WORKER_CHECK_TTL_S and _WORKER_CHECK["ok"]:
         return True
-    celery = runtime().celery
     try:
-        ok = celery.send_task(PING_TASK, expires=5).get(timeout=1.5) == "pong"
-    except Exception:  # timeout or broker error: not ready
+        ok = bool(runtime().celery.control.ping(timeout=1.0))
+    except Exception:  # broker error: not ready
         ok = False
     _WORKER_CHECK.update(at=now, ok=ok)
     return ok
