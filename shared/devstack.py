@@ -114,7 +114,7 @@ def start_worker(stack: Stack, env: dict[str, str], *, concurrency: int = 2, nam
     return stack.start(name, argv, env, log)
 
 
-def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, threads: int = 128,
+def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, threads: int = 256,
               log: Path | None = None) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1",
             "--threads", str(threads), "--bind", f"{host}:{port}", "--timeout", "0",

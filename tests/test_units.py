@@ -1,0 +1,121 @@
+"""Pure functions: settings validation, key parsing, the schema, the UTF-8 cutter, events."""
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+
+import pytest
+
+from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, SchemaInvalid
+from shared.idempotency import parse_key
+from shared.schema import parse_tool_call
+from shared.settings import Settings, SettingsError
+from workers.relay import Utf8Cutter, incomplete_tail, output_event
+from workers.shell import signal_name
+
+BASE_ENV = {"RUNWARDEN_REDIS_URL": "redis://127.0.0.1:1/0", "RUNWARDEN_JWT_SECRET": "s" * 32}
+
+
+def test_short_jwt_secret_stops_start_up() -> None:
+    with pytest.raises(SettingsError, match="at least 32 bytes"):
+        Settings.from_env({**BASE_ENV, "RUNWARDEN_JWT_SECRET": "s" * 31})
+
+
+@pytest.mark.parametrize("name,value", [("RUNWARDEN_SANDBOX", "docker"), ("RUNWARDEN_LEASE", "soon"),
+                                        ("RUNWARDEN_STREAM_RETENTION", "60"), ("RUNWARDEN_REDIS_URL", "")])
+def test_bad_settings_are_refused(name: str, value: str) -> None:
+    with pytest.raises(SettingsError):
+        Settings.from_env({**BASE_ENV, name: value})
+
+
+def test_public_key_pins_its_algorithm(tmp_path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    pem = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "key.pem").write_bytes(pem)
+    settings = Settings.from_env({**BASE_ENV, "RUNWARDEN_JWT_PUBLIC_KEY": str(tmp_path / "key.pem")})
+    assert settings.jwt_algorithms == ("ES256",) and settings.jwt_secret is None
+
+
+def test_workers_need_no_jwt_key() -> None:
+    settings = Settings.from_env({"RUNWARDEN_REDIS_URL": "redis://x"}, require_jwt=False)
+    assert settings.jwt_algorithms == ()
+
+
+@pytest.mark.parametrize("values,key", [(["abc"], "abc"), (['"01J9ZQ-x:y.z_1"'], "01J9ZQ-x:y.z_1"),
+                                        (["a" * 255], "a" * 255)])
+def test_keys_accepted(values: list[str], key: str) -> None:
+    assert parse_key(values) == key
+
+
+@pytest.mark.parametrize("values", [[""], ['""'], ["a" * 256], ["a b"], ["a,b"], ["é"], ["a", "a"], ['"a']])
+def test_keys_refused(values: list[str]) -> None:
+    with pytest.raises(InvalidIdempotencyKey):
+        parse_key(values)
+
+
+def test_missing_key() -> None:
+    with pytest.raises(MissingIdempotencyKey):
+        parse_key([])
+
+
+def _pointers(body: object) -> list[str]:
+    with pytest.raises(SchemaInvalid) as caught:
+        parse_tool_call(body)
+    return [error["pointer"] for error in caught.value.extra["errors"]]
+
+
+def test_tool_name_binds_its_parameter_schema() -> None:
+    body = {"tool_name": "apply_file_patch", "call_id": str(uuid.uuid4()), "parameters": {"command": "ls"}}
+    assert "/parameters" in _pointers(body)
+
+
+def test_call_id_format_is_asserted() -> None:
+    body = {"tool_name": "read_file", "call_id": "not-a-uuid", "parameters": {"path": "a"}}
+    assert set(_pointers(body)) == {"/call_id"}
+
+
+def test_unknown_properties_are_refused() -> None:
+    body = {"tool_name": "read_file", "call_id": str(uuid.uuid4()), "parameters": {"path": "a", "x": 1}, "y": 2}
+    assert _pointers(body) == ["", "/parameters"]
+
+
+def test_timeout_default() -> None:
+    call = parse_tool_call({"tool_name": "execute_shell_command", "call_id": str(uuid.uuid4()),
+                            "parameters": {"command": "true"}})
+    assert call.parameters["timeout_ms"] == 30000
+
+
+@pytest.mark.parametrize("data,held", [(b"abc", 0), (b"a\xc3", 1), (b"\xe2\x82", 2), (b"\xf0\x9f\x98", 3),
+                                       (b"\xf0\x9f\x98\x80", 0), (b"\xff", 0), (b"\x80\x80\x80\x80", 0)])
+def test_incomplete_tail(data: bytes, held: int) -> None:
+    assert incomplete_tail(data) == held
+
+
+def test_cutter_never_splits_a_character_and_keeps_every_byte() -> None:
+    text = "aé😀你\r\n\t".encode() + b"\xff\xfe" + "ß".encode()
+    for size in range(1, 6):
+        cutter, pieces = Utf8Cutter(), []
+        for start in range(0, len(text), size):
+            pieces.append(cutter.feed(text[start:start + size]))
+        pieces.append(cutter.flush())
+        assert b"".join(pieces) == text
+        for piece in pieces:
+            if piece and b"\xff" not in piece and b"\xfe" not in piece:
+                piece.decode("utf-8")  # whole characters only
+
+
+def test_output_event_text_or_base64() -> None:
+    assert json.loads(output_event(1, "stdout", "é\r\n".encode())) == {
+        "type": "output", "seq": 1, "stream": "stdout", "data": "é\r\n"}
+    event = json.loads(output_event(2, "stderr", b"\xff\x00"))
+    assert base64.b64decode(event["data_b64"]) == b"\xff\x00" and "data" not in event
+
+
+@pytest.mark.parametrize("code,name", [(0, None), (1, None), (130, "SIGINT"), (137, "SIGKILL"), (143, "SIGTERM"),
+                                       (255, None)])
+def test_signal_name(code: int, name: str | None) -> None:
+    assert signal_name(code) == name
