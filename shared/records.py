@@ -72,14 +72,15 @@ return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARG
               ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 """
 
-# KEYS: task, lease, running set, log, done. ARGV: task id, result, now, ttl, exit event, retention.
+# KEYS: task, lease, running set, log, done.
+# ARGV: task id, result, now, ttl, exit event, retention, response code, response body.
 # A queued call is cancelled at once; a running one is flagged and its worker is told.
 _CANCEL = _END + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'queued' then
-  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2], ARGV[3], ARGV[4], '', '',
-         ARGV[5], ARGV[6])
+  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2], ARGV[3], ARGV[4], ARGV[7],
+         ARGV[8], ARGV[5], ARGV[6])
   return 'cancelled'
 end
 if status == 'running' then redis.call('HSET', KEYS[1], 'cancel', '1') end
@@ -191,12 +192,18 @@ class Records:
                   self.retention_ms],
         ))
 
-    def cancel(self, task_id: str, *, shell: bool) -> str:
+    def cancel(self, view: TaskView) -> str:
+        """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
+        replays the cancelled record), or flag a running one; returns the status found."""
         result = {"code": "cancelled", "message": "Cancelled before it started."}
+        shell = view.tool_name == "execute_shell_command"
         exit_json = exit_event(Status.CANCELLED) if shell else ""
+        body = "" if shell else json.dumps({**view.public(), "status": Status.CANCELLED.value, "result": result},
+                                           ensure_ascii=False, separators=(",", ":"))
         found = self._cancel(
-            keys=self._keys(task_id),
-            args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],
+            keys=self._keys(view.task_id),
+            args=[view.task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms,
+                  "" if shell else 200, body],
         )
         return found.decode()
 

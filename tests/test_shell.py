@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from shared.keys import task_id_for
 from tests.streams import collect, connect, watch
 
 
@@ -218,3 +220,30 @@ def test_a_fork_bomb_does_not_starve_its_neighbours(agent, make_agent) -> None:
     assert finished(agent, bomb)["status"] == "completed"
     after = agent.shell("echo worker fine", wait=30).json()
     assert after["result"]["stdout"] == "worker fine\n"
+
+
+def test_cancel_queued_calls_never_run(agent) -> None:
+    blockers = [start(agent, "sleep 3") for _ in range(2)]  # both pool processes busy
+    queued = start(agent, "echo ran > ran.txt")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending_read = pool.submit(agent.call, "read_file", {"path": "x"}, key="cancel-me-file",
+                                   call_id="9b2f6a52-3f1e-4a51-9d0b-0d7c1f3a2b44")
+        time.sleep(0.3)
+        file_id = task_id_for(agent.tenant, "cancel-me-file")  # the task id a key maps to
+        for task_id in (queued, file_id):
+            response = agent.http.delete(f"{agent.stack.base_url}/v1/tool-calls/{task_id}",
+                                         headers={"Authorization": f"Bearer {agent.token}"}, timeout=30)
+            assert response.status_code == 200, response.text
+            assert response.json()["status"] == "cancelled"
+        first = pending_read.result(timeout=60)
+    assert first.status_code in (200, 202)
+    received = watch(agent, queued)
+    assert [e["type"] for e in received.events] == ["exit"] and received.exit["status"] == "cancelled"
+    for blocker in blockers:
+        finished(agent, blocker)
+    time.sleep(1)
+    assert not (agent.workspace / "ran.txt").exists()
+    assert finished(agent, queued)["status"] == "cancelled"
+    retry = agent.call("read_file", {"path": "x"}, key="cancel-me-file", call_id="9b2f6a52-3f1e-4a51-9d0b-0d7c1f3a2b44")
+    assert retry.status_code == 200 and retry.json()["status"] == "cancelled"
+    assert retry.headers["Idempotent-Replayed"] == "true"

@@ -82,7 +82,7 @@ def cancel(task_id: str) -> Response:
     view = _owned_task(task_id, grant)
     grant.require_scope(TOOLS[view.tool_name].scope)
     rt = runtime()
-    found = rt.records.cancel(task_id, shell=view.tool_name == dispatch.SHELL)
+    found = rt.records.cancel(view)
     if found == "running":
         rt.redis.publish(keys.control(task_id), json.dumps({"cancel": True}))
         deadline = time.monotonic() + rt.settings.kill_grace_s + 3
