@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from flask import Flask, Response, g, request
+from shared.schema import TOOLS
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -28,8 +29,8 @@ def init_app(app: Flask) -> None:
         if "started" in g:
             LATENCY.labels(request.method, route).observe(time.perf_counter() - g.started)
         if route == "/v1/tool-calls" and request.method == "POST":
-            TOOL_CALLS.labels(str(g.get("call_context", {}).get("tool_name", "unknown"))[:40],
-                              response.status_code).inc()
+            tool = g.get("call_context", {}).get("tool_name")
+            TOOL_CALLS.labels(tool if tool in TOOLS else "other", response.status_code).inc()
         return response
 
 

@@ -37,6 +37,21 @@ def problem_response(error: errors.RunwardenError) -> Response:
     return json_response(body, error.status, PROBLEM_JSON, error.headers)
 
 
+MAX_DISCARD = 16 * 1024 * 1024
+
+
+def _discard_body() -> None:
+    """Read and drop an oversized body (never parse or keep it), so the kept-alive connection is not
+    left with unread bytes that the next request would be parsed from. gunicorn ignores an
+    application's `Connection: close`, so this is the way to keep the connection usable."""
+    stream, left = request.environ.get("wsgi.input"), min(request.content_length or MAX_DISCARD, MAX_DISCARD)
+    try:
+        while stream is not None and left > 0 and (chunk := stream.read(min(left, 65536))):
+            left -= len(chunk)
+    except OSError:
+        pass
+
+
 def register(app: Flask) -> None:
     @app.errorhandler(errors.RunwardenError)
     def runwarden_error(error: errors.RunwardenError) -> Response:
@@ -47,6 +62,8 @@ def register(app: Flask) -> None:
         kind = _HTTP_ERRORS.get(error.code or 500, errors.SchemaInvalid if (error.code or 500) < 500 else errors.Unavailable)
         problem = kind(error.description if kind is errors.SchemaInvalid else "")
         problem.status = error.code or problem.status
+        if kind is errors.PayloadTooLarge:
+            _discard_body()
         if kind is errors.MethodNotAllowed:
             problem.headers["Allow"] = ", ".join(getattr(error, "valid_methods", None) or [])
         return problem_response(problem)
@@ -60,5 +77,5 @@ def register(app: Flask) -> None:
     @app.errorhandler(Exception)
     def unexpected(error: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        problem = errors.RunwardenError("An unexpected error occurred; it has been logged.")
+        problem = errors.InternalError("An unexpected error occurred; it has been logged.")
         return problem_response(problem)

@@ -22,8 +22,10 @@ class Runtime:
 
     @classmethod
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
+        # Each open stream holds a connection in XREAD BLOCK and each waiting POST one in BLPOP:
+        # the pool must be larger than the server's thread count (redis-py's default cap is 100).
         client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=10,
-                                      health_check_interval=30, retry_on_timeout=False)
+                                      health_check_interval=30, retry_on_timeout=False, max_connections=2048)
         return cls(
             settings=settings,
             redis=client,

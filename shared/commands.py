@@ -4,8 +4,15 @@ A policy layer on top of the sandbox, not a substitute for it. The command is pa
 every simple command anywhere in it (pipelines, lists, subshells, `$(…)`, backticks, `<(…)`,
 function bodies) names its program. A program word that is not a literal (`$X`, `$(…)`) or a
 command line that cannot be parsed is refused, since what it would run cannot be known.
+
+Bash evaluates the *contents* of variables as arithmetic in many places (`$((x))`, `${s:x}`,
+`${!x}`, `${x@P}`, `[[ … -eq … ]]`, `printf -v`, `read`, array subscripts), and an array subscript
+in such contents can hold a `$(…)` that no parser of the command text can see. So under a policy,
+only plain `$NAME`/`${NAME}` expansions are allowed, and only builtins that evaluate nothing.
 """
 from __future__ import annotations
+
+import re
 
 import bashlex
 import bashlex.ast
@@ -13,11 +20,16 @@ import bashlex.errors
 
 from shared.errors import CommandForbidden
 
-# Builtins that cannot run another program or code of their own choosing.
-HARMLESS_BUILTINS = frozenset({
-    "cd", "echo", "printf", "true", "false", "test", "[", "pwd", "exit", ":", "export", "unset",
-    "shift", "read", "local", "return", "set", "wait",
-})
+# Builtins that cannot run a program, and never evaluate a variable's contents as code or arithmetic.
+HARMLESS_BUILTINS = frozenset({"cd", "echo", "true", "false", "pwd", "exit", ":"})
+
+# `${…}` other than `${NAME}`, arithmetic, `[[`, array subscripts in assignments, and `let`.
+_EVALUATING = re.compile(
+    r"\$\{(?![A-Za-z_][A-Za-z0-9_]*\})"   # ${!x} ${x:o} ${x@P} ${a[i]} ${#x} …
+    r"|\$\(\(|\(\("                     # $(( … )) and (( … ))
+    r"|\[\["                              # [[ … ]] evaluates -eq operands as arithmetic
+    r"|(?:^|[\s;&|(])[A-Za-z_][A-Za-z0-9_]*\["  # a[…]=… subscript assignment
+)
 
 
 class _Programs(bashlex.ast.nodevisitor):  # type: ignore[misc]
@@ -45,6 +57,9 @@ class _Programs(bashlex.ast.nodevisitor):  # type: ignore[misc]
 
 def programs(command: str) -> list[str]:
     """The literal program names in `command`; raises CommandForbidden when it cannot be known."""
+    if _EVALUATING.search(command):
+        raise CommandForbidden("The command uses an expansion that can evaluate code (${…} forms, arithmetic, "
+                               "[[ ]] or array subscripts), which a policy cannot check.")
     try:
         trees = bashlex.parse(command)
     except (bashlex.errors.ParsingError, NotImplementedError, AttributeError, IndexError, TypeError,

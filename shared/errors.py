@@ -141,6 +141,11 @@ class Unavailable(RunwardenError):
         self.headers["Retry-After"] = "1"
 
 
+class InternalError(RunwardenError):
+    """A bug: logged with its trace on the server, never shown to the client."""
+    code, status, title = "internal_error", 500, "Internal error"
+
+
 class SandboxUnavailable(Unavailable):
     """This worker's sandbox failed its self-test; it refuses shell calls rather than run them unconfined."""
     code, title = "sandbox_unavailable", "Sandbox unavailable"

@@ -29,6 +29,8 @@ def normalize(path: str, *, allow_root: bool = False) -> str:
 @lru_cache(maxsize=1024)
 def _glob_regex(pattern: str) -> re.Pattern[str]:
     """`*` and `?` stay in one segment, `**` spans segments; a match on a directory covers what is under it."""
+    while "**/**" in pattern:
+        pattern = pattern.replace("**/**", "**")
     out, i = [], 0
     while i < len(pattern):
         if pattern.startswith("**/", i):

@@ -76,8 +76,8 @@ TOOLS: dict[str, Tool] = {
             parameters={
                 "type": "object",
                 "properties": {
-                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND,
-                                "description": "Command line run with bash -c."},
+                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND, "pattern": "^[^\\x00]*$",
+                                "description": "Command line run with bash -c (no NUL byte)."},
                     "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 60000, "default": 30000,
                                    "description": "Wall-clock limit; the command gets SIGTERM then SIGKILL."},
                     "cwd": {**_PATH, "description": "Working directory relative to the workspace."},
@@ -133,7 +133,8 @@ def _errors(validator: Draft202012Validator, instance: Any, prefix: str = "") ->
 def parse_tool_call(body: Any) -> ToolCall:
     """Validate the envelope, then the parameters against the schema `tool_name` selects."""
     errors = _errors(_ENVELOPE_VALIDATOR, body)
-    if isinstance(body, dict) and body.get("tool_name") in TOOLS and isinstance(body.get("parameters"), dict):
+    tool_name = body.get("tool_name") if isinstance(body, dict) else None
+    if isinstance(tool_name, str) and tool_name in TOOLS and isinstance(body.get("parameters"), dict):
         errors += _errors(_PARAMETER_VALIDATORS[body["tool_name"]], body["parameters"], "/parameters")
     if errors:
         raise SchemaInvalid("The tool call does not match its schema.", errors=errors)

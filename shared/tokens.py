@@ -76,6 +76,9 @@ def _grant(claims: dict[str, Any], settings: Settings) -> Grant:
     for name in ("tenant", "run_id"):
         if not NAME_RE.match(claims[name]):
             raise Unauthorized(f"Claim {name!r} has characters that are not allowed.")
+    for name in ("exp", "iat"):
+        if isinstance(claims[name], bool) or not isinstance(claims[name], (int, float)):
+            raise Unauthorized(f"Claim {name!r} must be a number.")
     if claims["exp"] - claims["iat"] > settings.jwt_max_lifetime_s:
         raise Unauthorized(f"Token lifetime exceeds {settings.jwt_max_lifetime_s} seconds.")
     commands = _string_list(claims, "allowed_commands") if "allowed_commands" in claims else None

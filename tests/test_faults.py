@@ -7,10 +7,11 @@ Figures (recovery times, counts) are printed; run with `-s` to see them.
 """
 from __future__ import annotations
 
-import hashlib
-import json
+import base64
 import os
 import secrets
+import shutil
+import socket
 import signal
 import subprocess
 import threading
@@ -18,9 +19,9 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
-import redis
 import requests
 
 from shared import devstack, keys
@@ -68,14 +69,6 @@ def worker_mains(info: StackInfo) -> dict[str, subprocess.Popen[bytes]]:
 
 def processes_with_argv(argv: list[bytes]) -> list[int]:
     return [pid for pid, (_, found, state) in proc_table().items() if found == argv and state not in (b"Z", b"X")]
-
-
-def vm_rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def task_field(info: StackInfo, task_id: str, field: str) -> str | None:
@@ -128,7 +121,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     info, workspaces = own_stack(tmp_path_factory.mktemp("pair"), workers=2, concurrency=1)
     yield info
     info.stack.stop()
-    subprocess.run(["rm", "-rf", str(workspaces)], check=False)
+    shutil.rmtree(workspaces, ignore_errors=True)
 
 
 # --- 1. worker child SIGKILLed in the middle of a patch -----------------------------------------
@@ -175,7 +168,16 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     wait_until(lambda: task_field(pair, task_id, "status") == "running", 30, "the patch to start", 0.001)
     victim_main = worker_main_pid(pair, task_id)
     [victim] = pool_children(victim_main)
-    wait_until(temp_file, 30, "the worker to start writing its temp file", 0.001)
+    inode = (agent.workspace / "big.txt").stat().st_ino
+
+    def writing() -> bool:  # bytes are going into the temp file (or, if we were too slow, it is renamed)
+        try:
+            return (any(p.stat().st_size > 0 for p in temp_file())
+                    or (agent.workspace / "big.txt").stat().st_ino != inode)
+        except FileNotFoundError:
+            return False
+
+    wait_until(writing, 30, "the worker to start writing its temp file", 0.0005)
     if moment == "after_replace":
         pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
         try:
@@ -211,21 +213,24 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     # Retries with the same key and the same request: the patch never applies twice.
     for _ in range(2):
         retry = agent.call("apply_file_patch", params, key=key, call_id=call_id)
-        deadline = time.monotonic() + 60
-        while retry.status_code == 409 and time.monotonic() < deadline:
-            time.sleep(float(retry.headers.get("Retry-After", "1")))
+        deadline = time.monotonic() + 75
+        # 409: the first is still running; 503: not the call's outcome, retry (what a careful client does).
+        while retry.status_code in (409, 503) and time.monotonic() < deadline:
+            time.sleep(float(retry.headers.get("Retry-After", "2")))
             retry = agent.call("apply_file_patch", params, key=key, call_id=call_id)
         assert retry.status_code == 200, retry.text
         assert retry.json()["result"]["new_sha"] == new_sha
         assert git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha
+        print(f"[faults] patch {moment}: retry answered 200 {time.monotonic() - killed_at:.1f} s after the kill "
+              f"(replayed: {retry.headers.get('Idempotent-Replayed') == 'true'}); file at new_sha, applied once")
     assert retry.headers.get("Idempotent-Replayed") == "true"
     assert retry.json()["status"] == "completed"
 
 
 @pytest.mark.timeout(90)
 def test_redelivered_patch_completes_promptly(pair: StackInfo) -> None:
-    """After its worker child is SIGKILLed mid-patch, the redelivered message finishes the call
-    (completed, no 5xx) within a few seconds: the dead delivery's file lock must not block it."""
+    """After its worker child is SIGKILLed mid-patch (file lock held, temp file half written), the
+    redelivered message finishes the call (completed, no 5xx) within a few seconds."""
     agent = new_agent(pair)
     agent.workspace.mkdir(parents=True, exist_ok=True)
     old = _big_file()
@@ -234,18 +239,19 @@ def test_redelivered_patch_completes_promptly(pair: StackInfo) -> None:
               "diff": _one_line_diff(1, b"line 0000000\n", b"first!\n")}
     key, call_id = f"patch-{uuid.uuid4()}", str(uuid.uuid4())
     task_id = keys.task_id_for(agent.tenant, key)
-    poster = threading.Thread(target=lambda: agent.call("apply_file_patch", params, key=key, call_id=call_id))
+    poster = threading.Thread(target=lambda: agent.call("apply_file_patch", params, key=key, call_id=call_id),
+                              daemon=True)
     poster.start()
     wait_until(lambda: task_field(pair, task_id, "status") == "running", 30, "the patch to start", 0.001)
     [victim] = pool_children(worker_main_pid(pair, task_id))
+    wait_until(lambda: any(p.name.startswith(".big.txt.rw-") for p in agent.workspace.iterdir()), 30,
+               "the worker to start writing its temp file", 0.001)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
-    try:
-        final = terminal(agent, task_id, 15)
-        print(f"\n[faults] redelivered patch: '{final['status']}' {time.monotonic() - killed_at:.1f} s after the kill")
-        assert final["status"] == "completed", final
-    finally:
-        poster.join(90)
+    final = terminal(agent, task_id, 15)
+    print(f"\n[faults] redelivered patch: '{final['status']}' ({final['result'].get('code')}) "
+          f"{time.monotonic() - killed_at:.1f} s after the kill")
+    assert final["status"] == "completed", final
 
 
 # --- 2. worker child SIGKILLed during a shell call ------------------------------------------------
@@ -271,6 +277,9 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
 
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
+    # bwrap runs with --die-with-parent and is the PID namespace's init: everything inside goes.
+    wait_until(lambda: not processes_with_argv([b"sleep", marker.encode()]), 10, "the sandboxed sleep to end")
+    gone_s = time.monotonic() - killed_at
     rest = collect(ws)  # the stream must end by itself: exactly one exit event, saying lost
     ws.close()
     stream_end_s = time.monotonic() - killed_at
@@ -285,8 +294,6 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     lost_s = time.monotonic() - killed_at
     assert final["status"] == "lost" and final["result"]["code"] == "worker_lost"
     assert lost_s < 20
-    wait_until(lambda: not processes_with_argv([b"sleep", marker.encode()]), 10, "the sandboxed sleep to end")
-    gone_s = time.monotonic() - killed_at
 
     # A replacement child appears; neither it nor the other worker runs the command again.
     wait_until(lambda: pool_children(victim_main), 20, "celery to replace the pool child")
@@ -330,7 +337,7 @@ def test_warm_shutdown_leaves_queued_calls_to_the_other_worker(tmp_path: Path) -
             assert response.status_code == 202, response.text
             task_ids.append(response.json()["task_id"])
         # Wait until worker A is busy with a call (and so has reserved the next one), then stop it.
-        wait_until(lambda: any(task_field(info, t, "worker") == f"{os.uname().nodename}:{worker_a.pid}"
+        wait_until(lambda: any(task_field(info, t, "worker") == f"{socket.gethostname()}:{worker_a.pid}"
                                and task_field(info, t, "status") == "running" for t in task_ids),
                    30, "worker A to run a call")
         queued_at_stop = sum(task_field(info, t, "status") == "queued" for t in task_ids)
@@ -346,12 +353,12 @@ def test_warm_shutdown_leaves_queued_calls_to_the_other_worker(tmp_path: Path) -
         by_worker: dict[str, int] = {}
         for t in task_ids:
             by_worker[task_field(info, t, "worker")] = by_worker.get(task_field(info, t, "worker"), 0) + 1
-        assert f"{os.uname().nodename}:{worker_b.pid}" in by_worker
+        assert f"{socket.gethostname()}:{worker_b.pid}" in by_worker
         print(f"[faults] warm shutdown: all {len(task_ids)} calls completed {served_s:.1f} s after SIGTERM; "
               f"per worker {sorted(by_worker.values())}")
     finally:
         info.stack.stop()
-        subprocess.run(["rm", "-rf", str(workspaces)], check=False)
+        shutil.rmtree(workspaces, ignore_errors=True)
 
 
 # --- 4. Redis restarted -------------------------------------------------------------------------------
@@ -365,7 +372,7 @@ def test_redis_restart_503_then_recovers(tmp_path: Path) -> None:
     try:
         agent = new_agent(info)
         before = agent.shell("echo before", wait=30)
-        assert before.status_code == 200 and before.json()["result"]["stdout"] == "before\n"
+        assert before.status_code == 200 and before.json()["result"].get("stdout") == "before\n", before.text
         long = post_shell(agent, "echo begin; sleep 6; echo end")
         assert long.status_code == 202
         long_id = long.json()["task_id"]
@@ -385,7 +392,8 @@ def test_redis_restart_503_then_recovers(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert len(answers) >= 6
 
-        devstack.start_redis(redis_stack, tmp_path / "redis", port=port)
+        # Same port, same password, empty data: what a restart without persistence gives.
+        devstack.start_redis(redis_stack, tmp_path / "redis", port=port, password=urlparse(redis_url).password)
         up_at = time.monotonic()
         wait_until(lambda: devstack.http_ok(f"{info.base_url}/readyz"), 60, "/readyz to answer 200 again", 0.2)
         ready_s = time.monotonic() - up_at
@@ -408,12 +416,83 @@ def test_redis_restart_503_then_recovers(tmp_path: Path) -> None:
               f"/readyz 200 {ready_s:.1f} s and calls served {serving_s:.1f} s after Redis came back; "
               f"call across the outage: {response.status_code} "
               f"{response.json().get('status') if response.status_code == 200 else response.json()['code']}")
-        logs = "".join(p.read_text(errors="replace") for p in info.logs.iterdir())
-        assert "Traceback" not in (info.logs / "api.log").read_text(errors="replace"), logs[-3000:]
+        assert info.stack.died() is None  # workers and API rode it out; nothing had to be restarted
+        api_log = (info.logs / "api.log").read_text(errors="replace")
+        assert "Traceback" not in api_log, api_log[-3000:]
     finally:
         info.stack.stop()
         redis_stack.stop()
-        subprocess.run(["rm", "-rf", str(workspaces)], check=False)
+        shutil.rmtree(workspaces, ignore_errors=True)
+
+
+def parse_frames(data: bytes) -> tuple[list[tuple[int, bytes]], bytes]:
+    """Server-to-client WebSocket frames (unmasked); raises on anything that is not a valid frame."""
+    frames, i = [], 0
+    while len(data) - i >= 2:
+        first, second = data[i], data[i + 1]
+        assert first & 0x70 == 0 and first & 0x0F in (0x1, 0x2, 0x8, 0x9, 0xA), \
+            f"not a WebSocket frame: {data[i:i + 80]!r}"
+        length, header = second & 0x7F, 2
+        if length == 126:
+            length, header = int.from_bytes(data[i + 2:i + 4], "big"), 4
+        elif length == 127:
+            length, header = int.from_bytes(data[i + 2:i + 10], "big"), 10
+        if len(data) - i < header + length:
+            break
+        frames.append((first & 0x0F, data[i + header:i + header + length]))
+        i += header + length
+    return frames, data[i:]
+
+
+def raw_stream(info: StackInfo, agent: Agent, task_id: str) -> Any:
+    host, port = info.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=15)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall((f"GET /v1/tool-calls/{task_id}/stream HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                  f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {agent.token}\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+@pytest.mark.timeout(90)
+def test_stream_closes_cleanly_when_redis_goes_away(tmp_path: Path) -> None:
+    redis_stack = devstack.Stack()
+    redis_url = devstack.start_redis(redis_stack, tmp_path / "redis")
+    info, workspaces = own_stack(tmp_path, workers=1, concurrency=1, redis_url=redis_url)
+    try:
+        agent = new_agent(info)
+        response = post_shell(agent, "echo hi; sleep 20")
+        assert response.status_code == 202
+        sock = raw_stream(info, agent, response.json()["task_id"])
+        received = b""
+        while b"hi" not in received:
+            received += sock.recv(4096)
+        redis_stack.stop()
+        stopped_at = time.monotonic()
+        frames: list[tuple[int, bytes]] = []
+        while time.monotonic() - stopped_at < 15:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            received += chunk
+            frames, _ = parse_frames(received)  # every byte on the socket is a WebSocket frame
+            if not chunk or any(opcode == 0x8 for opcode, _ in frames):
+                break
+        sock.close()
+        # The client learns the stream is over: a close frame (1011 or similar), or at least EOF.
+        assert any(opcode == 0x8 for opcode, _ in frames) or not chunk, received[-300:]
+        print(f"\n[faults] stream during a Redis outage ended {time.monotonic() - stopped_at:.1f} s after the stop")
+    finally:
+        info.stack.stop()
+        redis_stack.stop()
+        shutil.rmtree(workspaces, ignore_errors=True)
 
 
 # --- 5. two workers, one killed --------------------------------------------------------------------------
@@ -425,7 +504,7 @@ def test_two_workers_share_calls_and_survivor_serves_after_sigkill(tmp_path: Pat
         agents = [new_agent(info) for _ in range(4)]
         mains = worker_mains(info)
         (_, victim), (_, survivor) = sorted(mains.items())
-        host = os.uname().nodename
+        host = socket.gethostname()
 
         def run_batch(count: int, tag: str) -> list[str]:
             ids = []
@@ -456,4 +535,4 @@ def test_two_workers_share_calls_and_survivor_serves_after_sigkill(tmp_path: Pat
               f"(main + {len(members) - 1} children) 10 new calls completed on the survivor in {recovered_s:.1f} s")
     finally:
         info.stack.stop()
-        subprocess.run(["rm", "-rf", str(workspaces)], check=False)
+        shutil.rmtree(workspaces, ignore_errors=True)

@@ -247,3 +247,9 @@ def test_cancel_queued_calls_never_run(agent) -> None:
     retry = agent.call("read_file", {"path": "x"}, key="cancel-me-file", call_id="9b2f6a52-3f1e-4a51-9d0b-0d7c1f3a2b44")
     assert retry.status_code == 200 and retry.json()["status"] == "cancelled"
     assert retry.headers["Idempotent-Replayed"] == "true"
+
+
+def test_sandbox_sees_no_host_paths_in_its_init_cmdline(agent) -> None:
+    body = agent.shell("tr '\\0' ' ' < /proc/1/cmdline", wait=30).json()
+    assert body["result"]["stdout"].startswith("bwrap --args ")  # options came through a memfd
+    assert str(agent.stack.workspaces) not in body["result"]["stdout"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,20 @@ from workers.patching import ZERO_SHA, git_blob_sha
 
 LOCK_TIMEOUT_S = 60
 LOCK_WAIT_S = 30
+
+# KEYS: lock. ARGV: owner (task id), ttl ms. Free, or already ours (a redelivery): take it.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) or redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+# KEYS: lock. ARGV: owner. Only the owner releases.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 def read_file(ws: Path, path: str) -> dict[str, Any]:
@@ -36,6 +51,8 @@ class PatchApplier:
     def __init__(self, client: redis.Redis, intent_ttl_s: int) -> None:
         self.client = client
         self.intent_ttl_s = intent_ttl_s
+        self._acquire = client.register_script(_ACQUIRE)
+        self._unlock = client.register_script(_RELEASE)
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
               base_sha: str) -> dict[str, Any]:
@@ -43,18 +60,24 @@ class PatchApplier:
             patch = patching.parse(diff.encode("utf-8", "surrogateescape"))
         except UnicodeEncodeError:
             raise PatchDoesNotApply("The diff is not encodable as UTF-8.") from None
-        lock = self.client.lock(keys.file_lock(tenant, run_id, path), timeout=LOCK_TIMEOUT_S,
-                                blocking_timeout=LOCK_WAIT_S)
-        if not lock.acquire():
+        lock_key = keys.file_lock(tenant, run_id, path)
+        if not self._lock(lock_key, task_id):
             raise Unavailable("The file is locked by another patch; retry later.")
         try:
             with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
                 return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha)
         finally:
-            try:
-                lock.release()
-            except redis.exceptions.LockError:
-                pass  # expired while we worked; the CAS already happened under it
+            self._unlock(keys=[lock_key], args=[task_id])
+
+    def _lock(self, lock_key: str, task_id: str) -> bool:
+        """Take the file's lock, owned by the task: a redelivery of a task whose worker was killed
+        holding it takes it over at once instead of waiting for it to expire."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while not self._acquire(keys=[lock_key], args=[task_id, LOCK_TIMEOUT_S * 1000]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _apply_locked(self, dir_fd: int, name: str, task_id: str, path: str,
                       patch: patching.FilePatch, base_sha: str) -> dict[str, Any]:

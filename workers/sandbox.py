@@ -183,12 +183,19 @@ class BwrapRunner:
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process:
         cgroup = self.cgroups.create(name) if self.cgroups else None
         info_read, info_write = os.pipe()
+        # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
+        # show host paths such as the workspaces root.
+        options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
+        argv = self.argv(command, workspace, cwd, network, info_write)
+        split = argv.index("--")
+        os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
+        os.lseek(options, 0, os.SEEK_SET)
         try:
             popen = subprocess.Popen(
-                self.argv(command, workspace, cwd, network, info_write),
+                ["bwrap", "--args", str(options), *argv[split:]], executable=self.bwrap,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env={},  # bwrap itself starts clean: the sandbox's /proc/1/environ is empty too
-                pass_fds=(info_write,), start_new_session=True,
+                pass_fds=(info_write, options), start_new_session=True,
                 preexec_fn=lambda: _limit_and_drop(self.limits, self.host_uid, cgroup),
             )
         except BaseException:
@@ -198,6 +205,7 @@ class BwrapRunner:
             raise
         finally:
             os.close(info_write)
+            os.close(options)
         try:
             info = _read_all(info_read)
         finally:

@@ -18,7 +18,7 @@ from shared.settings import Settings
 from workers.relay import Publisher, StreamCopy
 from workers.sandbox import Process, Runner
 
-READ_BYTES = 256 * 1024
+READ_BYTES = 128 * 1024
 POLL_S = 0.2
 ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
                    "SIGHUP": signal.SIGHUP}

@@ -17,7 +17,7 @@ import redis
 from celery import Task, shared_task
 
 from shared import keys
-from shared.errors import FileNotFound, RunwardenError, SandboxUnavailable, Unavailable
+from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
 from shared.keys import Status
 from shared.records import Records, exit_event
 from shared.settings import Settings
@@ -27,8 +27,10 @@ from workers.sandbox import Runner
 from workers.shell import ShellCall, subscribe_control
 
 log = logging.getLogger("runwarden.tasks")
+# "host:pid" of the worker's main process (this module is imported before the pool forks): the
+# Celery node an operator sees in Flower, recorded on each call it runs.
+WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
 MAX_FILE_ATTEMPTS = 3
-_WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
 
 
 class WorkerContext:
@@ -44,6 +46,7 @@ class WorkerContext:
         self.runner = runner
         self.sandbox_error = sandbox_error
         self.sandbox_owner = getattr(runner, "host_uid", None)
+        self.name = WORKER_NAME
 
     def workspace(self, tenant: str, run_id: str) -> Path:
         return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
@@ -69,7 +72,7 @@ class RunwardenTask(Task):
     def file_call(self, call: dict[str, Any], tool: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run a file tool once per call, even when its message is delivered again."""
         records, task_id = self.ctx.records, self.request.id
-        found = records.start(task_id, _WORKER_NAME, reentrant=True)
+        found = records.start(task_id, self.ctx.name, reentrant=True)
         if found not in ("running", "cancel"):
             return self._replay(call, found)
         if records.attempts(task_id) > MAX_FILE_ATTEMPTS:
@@ -79,6 +82,12 @@ class RunwardenTask(Task):
             result = tool()
         except RunwardenError as exc:
             return self._record_error(call, exc)
+        except OSError as exc:
+            log.exception("file call %s failed", task_id)
+            return self._record_error(call, Unavailable(f"The file system refused: {exc.strerror or type(exc).__name__}."))
+        except Exception:  # a bug must still end the call, never leave it running with its key held
+            log.exception("file call %s failed", task_id)
+            return self._record_error(call, InternalError("The call failed unexpectedly; it has been logged."))
         body = _json({"task_id": task_id, "call_id": call["call_id"], "tool_name": call["tool_name"],
                       "status": Status.COMPLETED.value, "result": result})
         records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()))
@@ -139,7 +148,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     ctx, task_id = self.ctx, self.request.id
     control = subscribe_control(ctx.redis, task_id)
     try:
-        found = ctx.records.start(task_id, _WORKER_NAME)
+        found = ctx.records.start(task_id, ctx.name)
         if found != "running":
             log.info("shell call %s not started: it is %s", task_id, found)
             return None
@@ -161,13 +170,13 @@ def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: 
             with workspace.parent_dir(ws, cwd + "/."):
                 pass  # every component is a real directory, none a symlink
         shell = ShellCall(ctx.settings, ctx.redis, ctx.runner, task_id,
-                          refresh_lease=lambda: ctx.records.refresh_lease(task_id, _WORKER_NAME))
+                          refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
         outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control)
         return outcome.status, outcome.result, outcome.exit_event
     except RunwardenError as exc:
         result = {"code": exc.code, "message": exc.detail}
         return Status.FAILED, result, exit_event(Status.FAILED, error=exc.code)
-    except (OSError, redis.RedisError) as exc:
+    except Exception as exc:  # Redis, the OS or a bug: the call ends as failed, never silently lost
         log.exception("shell call %s could not run", task_id)
         result = {"code": "unavailable", "message": f"The call could not run: {type(exc).__name__}."}
         return Status.FAILED, result, exit_event(Status.FAILED, error="unavailable")

@@ -82,6 +82,8 @@ def _step(dir_fd: int, name: str, create: bool) -> int:
 def _refusal(exc: OSError) -> Exception:
     if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
         return PathForbidden("The path goes through a symlink or a non-directory.")
+    if exc.errno == errno.ENAMETOOLONG:
+        return PathForbidden("A path segment is too long.")
     return exc
 
 

@@ -10,6 +10,7 @@ dropped after SEND_TIMEOUT_S; it can resume with `after_seq`.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -29,9 +30,11 @@ sock = Sock()
 
 STREAM_PATH = "/v1/tool-calls/<task_id>/stream"
 SEND_TIMEOUT_S = 60
-READ_COUNT = 64
+READ_COUNT = 4  # events of up to ~128 KiB of output: what a stalled client can pin in the API
 MAX_BLOCK_MS = 5000  # below the Redis client's socket timeout
 POLICY_VIOLATION = 1008
+INTERNAL_ERROR = 1011
+log = logging.getLogger("runwarden.stream")
 
 
 @bp.before_request
@@ -58,6 +61,20 @@ def _after_seq() -> int:
 
 @sock.route(STREAM_PATH, bp=bp)
 def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
+    """After the upgrade no HTTP error can be sent: a failure closes the socket with 1011."""
+    try:
+        _follow(ws, task_id)
+    except ConnectionClosed:
+        raise
+    except Exception as exc:  # Redis went away, or a bug: the client resumes later with after_seq
+        log.warning("stream %s ended early: %s", task_id, type(exc).__name__)
+        try:
+            ws.close(INTERNAL_ERROR, "stream interrupted; reconnect with after_seq")
+        except Exception:
+            pass
+
+
+def _follow(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     rt, grant = runtime(), g.grant
     ws.sock.settimeout(SEND_TIMEOUT_S)
     threading.Thread(target=_receive_signals, args=(ws, rt.redis, task_id), daemon=True).start()

@@ -23,7 +23,10 @@ TASK_ID_MAX = 64
 
 def _echo_call_ids() -> None:
     """Errors before the call is parsed still carry call_id and tool_name as sent, when there are some."""
-    body = request.get_json(silent=True, cache=True) if (request.content_length or 0) <= 1 << 21 else None
+    try:
+        body = request.get_json(force=True, silent=True, cache=True) if (request.content_length or 0) <= 1 << 21 else None
+    except RecursionError:
+        body = None
     if isinstance(body, dict):
         g.call_context = {k: body[k] for k in ("call_id", "tool_name") if isinstance(body.get(k), str)
                           and len(body[k]) <= 256}
@@ -34,9 +37,13 @@ def _body() -> object:
         raise UnsupportedMediaType("Send the tool call as application/json.")
     raw = request.get_data(cache=True)  # bounded by MAX_CONTENT_LENGTH: larger is a 413 before this
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise SchemaInvalid("The body is not valid JSON.", errors=[{"pointer": "", "message": "invalid JSON"}]) from None
+        body = json.loads(raw)
+        # A lone surrogate ("\ud800") is valid JSON but no file name, command or output can hold it.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeError, RecursionError):
+        raise SchemaInvalid("The body is not valid JSON of UTF-8 text.",
+                            errors=[{"pointer": "", "message": "invalid JSON"}]) from None
+    return body
 
 
 @bp.post("/v1/tool-calls")

@@ -1,0 +1,482 @@
+"""HTTP contract of POST /v1/tool-calls and the meta routes: status codes, problem+json bodies,
+Idempotency-Key rules, schema errors with JSON pointers, size limits, and a small fuzz."""
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+PROBLEM_JSON = "application/problem+json"
+
+
+def url(stack, path: str = "/v1/tool-calls") -> str:  # type: ignore[no-untyped-def]
+    return f"{stack.base_url}{path}"
+
+
+def envelope(tool_name: str = "read_file", parameters: dict[str, Any] | None = None, **extra: Any) -> dict:
+    body = {"tool_name": tool_name, "call_id": str(uuid.uuid4()),
+            "parameters": {"path": "missing.txt"} if parameters is None else parameters}
+    body.update(extra)
+    return body
+
+
+def post(agent, body: Any, *, key: str | None = None, raw: bytes | str | None = None,  # type: ignore[no-untyped-def]
+         **headers: str) -> requests.Response:
+    all_headers = agent.headers(key)
+    for name, value in headers.items():
+        name = name.replace("_", "-")
+        if value is None:
+            all_headers.pop(name, None)
+        else:
+            all_headers[name] = value
+    data = raw if raw is not None else json.dumps(body)
+    return agent.http.post(url(agent.stack), data=data, headers=all_headers, timeout=60)
+
+
+def assert_problem(response: requests.Response, status: int, code: str | None = None) -> dict:
+    """An RFC 9457 body with a code, that leaks no stack trace, host path or secret."""
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"] == PROBLEM_JSON, response.headers
+    body = response.json()
+    assert isinstance(body, dict) and body["status"] == status and body["title"] and body["code"], body
+    if code:
+        assert body["code"] == code, body
+    assert_no_leak(response)
+    return body
+
+
+def assert_no_leak(response: requests.Response) -> None:
+    text = response.text
+    assert "Traceback" not in text and 'File "' not in text
+    stack = LEAK_CONTEXT["stack"]
+    for secret in (stack.secret, str(stack.workspaces), "/work/main", urlsplit(stack.redis_url).password or "\x00"):
+        assert secret not in text, secret
+
+
+LEAK_CONTEXT: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _leak_context(stack) -> None:  # type: ignore[no-untyped-def]
+    LEAK_CONTEXT["stack"] = stack
+
+
+def pointers(response: requests.Response) -> list[str]:
+    errors = response.json()["errors"]
+    assert errors and all(isinstance(e["pointer"], str) and e["message"] for e in errors), errors
+    return [e["pointer"] for e in errors]
+
+
+def assert_key_still_free(agent, key: str) -> None:  # type: ignore[no-untyped-def]
+    """A refusal before acceptance records nothing: the same key then runs a good request."""
+    response = post(agent, envelope(), key=key)
+    assert response.status_code == 404 and response.json()["code"] == "file_not_found", response.text
+    assert "Idempotent-Replayed" not in response.headers
+
+
+# --- Idempotency-Key -------------------------------------------------------------------------------
+
+def test_missing_idempotency_key_is_400(agent) -> None:
+    response = post(agent, envelope(), Idempotency_Key=None)
+    assert_problem(response, 400, "missing_idempotency_key")
+
+
+@pytest.mark.parametrize("key", ["", "a" * 256, "a b", "é", "a,b", "a;b", "a/b", "a\tb", '"', '""',
+                                 '"abc', 'abc"', "'abc'", "key%20x", "a*"])
+def test_invalid_idempotency_key_is_400(agent, key: str) -> None:
+    response = post(agent, envelope(), raw=json.dumps(envelope()), **{"Idempotency-Key": key})
+    assert_problem(response, 400, "invalid_idempotency_key")
+
+
+@pytest.mark.parametrize("key", ["a", "A" * 255, "01J9Z3S4Q6X7Y8Z9ABCDEFGHJK", "tenant:call-1.retry_2",
+                                 f'"{uuid.uuid4()}"'])
+def test_valid_idempotency_keys_are_accepted(agent, key: str) -> None:
+    response = post(agent, envelope(), key=key)
+    assert response.status_code == 404 and response.json()["code"] == "file_not_found", response.text
+
+
+def test_quoted_key_is_the_same_key(agent) -> None:
+    key, body = uuid.uuid4().hex, envelope()
+    first = post(agent, body, key=key)
+    again = post(agent, body, key=f'"{key}"')
+    assert again.headers.get("Idempotent-Replayed") == "true" and again.content == first.content
+
+
+def raw_post(stack, headers: list[tuple[str, str]], body: bytes) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    parts = urlsplit(stack.base_url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.putrequest("POST", "/v1/tool-calls")
+        for name, value in headers + [("Content-Length", str(len(body)))]:
+            connection.putheader(name, value)
+        connection.endheaders(body)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def test_idempotency_key_sent_twice_is_400(agent) -> None:
+    key = uuid.uuid4().hex
+    for second in (key, uuid.uuid4().hex):
+        status, text = raw_post(agent.stack, [("Authorization", f"Bearer {agent.token}"),
+                                              ("Content-Type", "application/json"),
+                                              ("Idempotency-Key", key), ("Idempotency-Key", second)],
+                                json.dumps(envelope()).encode())
+        assert status == 400, text
+        assert json.loads(text)["code"] == "invalid_idempotency_key"
+    assert_key_still_free(agent, key)
+
+
+# --- body size, media type, JSON ------------------------------------------------------------------
+
+def oversized_call() -> str:
+    return json.dumps(envelope("apply_file_patch", {"path": "big.txt", "base_sha": "0" * 40,
+                                                    "diff": "x" * (2 * 1024 * 1024)}))
+
+
+def test_body_over_two_mib_is_413_and_claims_nothing(agent) -> None:
+    key = uuid.uuid4().hex
+    response = requests.post(url(agent.stack), data=oversized_call(), headers=agent.headers(key), timeout=60)
+    assert_problem(response, 413, "payload_too_large")
+    assert not (agent.workspace / "big.txt").exists()
+    retry = requests.post(url(agent.stack), data=json.dumps(envelope()), headers=agent.headers(key), timeout=60)
+    assert retry.status_code == 404 and retry.json()["code"] == "file_not_found", retry.text
+    assert "Idempotent-Replayed" not in retry.headers
+
+
+def test_connection_stays_usable_after_a_413(agent) -> None:
+    """A 413 either closes the connection (Connection: close) or leaves it usable for the retry."""
+    for _ in range(20):
+        session = requests.Session()
+        refused = session.post(url(agent.stack), data=oversized_call(), headers=agent.headers(), timeout=60)
+        assert refused.status_code == 413
+        if refused.headers.get("Connection", "").lower() == "close":
+            continue
+        following = session.get(url(agent.stack, "/healthz"), timeout=10)  # raises when the server dropped it
+        assert following.status_code == 200
+        session.close()
+
+
+def test_chunked_body_over_the_limit_is_413(agent) -> None:
+    def chunks():  # type: ignore[no-untyped-def]
+        yield b'{"tool_name":"read_file","call_id":"' + str(uuid.uuid4()).encode() + b'","parameters":{"path":"'
+        for _ in range(40):
+            yield b"a" * 65536
+        yield b'"}}'
+    response = agent.http.post(url(agent.stack), data=chunks(), headers=agent.headers(), timeout=60)
+    assert response.status_code in (413, 400), response.text  # never parsed as a 2.5 MB call
+    assert response.headers["Content-Type"] == PROBLEM_JSON
+    assert_no_leak(response)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"not json", b'{"tool_name": "read_file",}', b"\xff\xfe{}",
+                                 b'{"a":1}{"b":2}', b"[1,2", b"NaN-ish"])
+def test_invalid_json_is_400_schema_invalid(agent, raw: bytes) -> None:
+    key = uuid.uuid4().hex
+    assert_problem(post(agent, None, raw=raw, key=key), 400, "schema_invalid")
+    assert_key_still_free(agent, key)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/xml"])
+def test_non_json_content_type_is_415(agent, content_type: str) -> None:
+    key = uuid.uuid4().hex
+    response = post(agent, envelope(), key=key, Content_Type=content_type)
+    assert_problem(response, 415)
+    assert_key_still_free(agent, key)
+
+
+def test_json_with_charset_is_accepted(agent) -> None:
+    response = post(agent, envelope(), Content_Type="application/json; charset=utf-8")
+    assert response.status_code == 404 and response.json()["code"] == "file_not_found", response.text
+
+
+# --- the schema ------------------------------------------------------------------------------------
+
+SHA = "a" * 40
+SCHEMA_CASES: dict[str, tuple[Any, set[str]]] = {
+    "unknown_top_level_property": (envelope(extra=1), {"", "/extra"}),
+    "unknown_parameter": (envelope(parameters={"path": "a", "bogus": 1}), {"/parameters", "/parameters/bogus"}),
+    "call_id_not_a_uuid": (envelope(call_id="not-a-uuid"), {"/call_id"}),
+    "call_id_36_chars_not_uuid": (envelope(call_id="z" * 36), {"/call_id"}),
+    "call_id_number": (envelope(call_id=12345), {"/call_id"}),
+    "tool_name_unknown": (envelope(tool_name="delete_everything"), {"/tool_name"}),
+    "tool_name_wrong_case": (envelope(tool_name="READ_FILE"), {"/tool_name"}),
+    "read_file_with_shell_parameters": (envelope(parameters={"command": "ls"}), {"/parameters"}),
+    "patch_with_shell_parameters": (envelope("apply_file_patch", {"command": "ls", "timeout_ms": 5}),
+                                    {"/parameters"}),
+    "shell_with_read_parameters": (envelope("execute_shell_command", {"path": "a"}), {"/parameters"}),
+    "timeout_ms_zero": (envelope("execute_shell_command", {"command": "true", "timeout_ms": 0}),
+                        {"/parameters/timeout_ms"}),
+    "timeout_ms_over_max": (envelope("execute_shell_command", {"command": "true", "timeout_ms": 60001}),
+                            {"/parameters/timeout_ms"}),
+    "timeout_ms_string": (envelope("execute_shell_command", {"command": "true", "timeout_ms": "5"}),
+                          {"/parameters/timeout_ms"}),
+    "timeout_ms_bool": (envelope("execute_shell_command", {"command": "true", "timeout_ms": True}),
+                        {"/parameters/timeout_ms"}),
+    "base_sha_short": (envelope("apply_file_patch", {"path": "a", "diff": "x", "base_sha": "abc"}),
+                       {"/parameters/base_sha"}),
+    "base_sha_not_hex": (envelope("apply_file_patch", {"path": "a", "diff": "x", "base_sha": "g" * 40}),
+                         {"/parameters/base_sha"}),
+    "base_sha_41": (envelope("apply_file_patch", {"path": "a", "diff": "x", "base_sha": "a" * 41}),
+                    {"/parameters/base_sha"}),
+    "diff_empty": (envelope("apply_file_patch", {"path": "a", "diff": "", "base_sha": SHA}), {"/parameters/diff"}),
+    "command_empty": (envelope("execute_shell_command", {"command": ""}), {"/parameters/command"}),
+    "command_too_long": (envelope("execute_shell_command", {"command": "x" * 65537}), {"/parameters/command"}),
+    "path_too_long": (envelope(parameters={"path": "a" * 4097}), {"/parameters/path"}),
+    "path_not_a_string": (envelope(parameters={"path": ["a"]}), {"/parameters/path"}),
+    "parameters_not_object": (envelope(parameters=None) | {"parameters": "path=a"}, {"/parameters"}),
+    "missing_call_id": ({"tool_name": "read_file", "parameters": {"path": "a"}}, {"", "/call_id"}),
+    "missing_parameters": ({"tool_name": "read_file", "call_id": str(uuid.uuid4())}, {"", "/parameters"}),
+    "body_is_array": ([envelope()], {""}),
+    "body_is_string": ("read_file", {""}),
+    "body_is_null": (None, {""}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMA_CASES))
+def test_schema_errors_carry_json_pointers(agent, case: str) -> None:
+    body, expected = SCHEMA_CASES[case]
+    key = uuid.uuid4().hex
+    response = post(agent, body, key=key)
+    assert_problem(response, 400, "schema_invalid")
+    found = set(pointers(response))
+    assert found & expected, (found, expected)
+    assert all(p == "" or p.startswith("/") for p in found)
+    if case == "unknown_top_level_property":
+        assert "extra" in json.dumps(response.json()["errors"])
+    assert_key_still_free(agent, key)
+
+
+def test_shell_without_cwd_and_timeout_is_valid(agent) -> None:
+    response = post(agent, envelope("execute_shell_command", {"command": "pwd"}), Prefer="wait=30")
+    assert response.status_code == 200, response.text
+    assert response.json()["result"]["stdout"] == "/workspace\n"
+
+
+def test_shell_without_wait_is_202_with_stream_url(agent) -> None:
+    body = envelope("execute_shell_command", {"command": "true", "timeout_ms": 60000, "cwd": "."})
+    response = post(agent, body)
+    assert response.status_code == 202, response.text
+    answer = response.json()
+    assert answer["status"] in ("queued", "running") and answer["call_id"] == body["call_id"]
+    assert answer["tool_name"] == "execute_shell_command" and answer["task_id"]
+    assert answer["stream_url"].startswith("ws://") and answer["stream_url"].endswith(f"/{answer['task_id']}/stream")
+
+
+# --- refusals before acceptance are not recorded ---------------------------------------------------
+
+@pytest.mark.parametrize("refusal", ["401", "403_scope", "403_path", "400_schema", "415"])
+def test_refusals_before_acceptance_leave_the_key_free(agent, make_agent, refusal: str) -> None:
+    key = uuid.uuid4().hex
+    if refusal == "401":
+        response = post(agent, envelope(), key=key, Authorization="Bearer nope")
+        assert response.status_code == 401
+    elif refusal == "403_scope":
+        reader = make_agent(scopes=["shell:exec"], tenant=agent.tenant, run_id=agent.run_id)
+        assert reader.call("read_file", {"path": "missing.txt"}, key=key).status_code == 403
+    elif refusal == "403_path":
+        assert post(agent, envelope(parameters={"path": "../x"}), key=key).status_code == 403
+    elif refusal == "400_schema":
+        assert post(agent, envelope(parameters={}), key=key).status_code == 400
+    else:
+        assert post(agent, envelope(), key=key, Content_Type="text/plain").status_code == 415
+    assert_key_still_free(agent, key)
+
+
+# --- other routes ----------------------------------------------------------------------------------
+
+def test_tools_listing(stack) -> None:
+    response = requests.get(url(stack, "/v1/tools"), timeout=10)
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("application/json")
+    tools = response.json()["tools"]
+    assert sorted(t["name"] for t in tools) == ["apply_file_patch", "execute_shell_command", "read_file"]
+    for tool in tools:
+        assert set(tool) >= {"name", "description", "input_schema"}
+        assert tool["description"] and tool["input_schema"]["type"] == "object"
+        assert tool["input_schema"]["additionalProperties"] is False
+    by_name = {t["name"]: t["input_schema"] for t in tools}
+    assert by_name["read_file"]["required"] == ["path"]
+    assert set(by_name["apply_file_patch"]["required"]) == {"path", "diff", "base_sha"}
+    assert by_name["execute_shell_command"]["properties"]["timeout_ms"]["maximum"] == 60000
+
+
+def test_tools_listing_openai_format(stack) -> None:
+    response = requests.get(url(stack, "/v1/tools?format=openai"), timeout=10)
+    assert response.status_code == 200
+    body = response.json()
+    assert list(body) == ["tools"] and len(body["tools"]) == 3
+    for tool in body["tools"]:
+        assert tool["type"] == "function"
+        function = tool["function"]
+        assert set(function) >= {"name", "description", "parameters"}
+        assert function["parameters"]["type"] == "object"
+    plain = {t["name"]: t["input_schema"] for t in requests.get(url(stack, "/v1/tools"), timeout=10).json()["tools"]}
+    assert {t["function"]["name"]: t["function"]["parameters"] for t in body["tools"]} == plain
+
+
+def test_tools_listing_unknown_format_is_not_a_server_error(stack) -> None:
+    response = requests.get(url(stack, "/v1/tools?format=%00%ff"), timeout=10)
+    assert response.status_code < 500
+
+
+def test_health_ready_metrics(stack) -> None:
+    assert requests.get(url(stack, "/healthz"), timeout=10).status_code == 200
+    ready = requests.get(url(stack, "/readyz"), timeout=10)
+    assert ready.status_code == 200, ready.text
+    metrics = requests.get(url(stack, "/metrics"), timeout=10)
+    assert metrics.status_code == 200 and metrics.headers["Content-Type"].startswith("text/plain")
+    assert "runwarden_http_requests_total" in metrics.text
+    assert stack.secret not in metrics.text
+
+
+@pytest.mark.parametrize("path", ["/nope", "/v1", "/v1/tool-calls/x/y/z", "/v2/tool-calls", "/%2e%2e/etc/passwd",
+                                  "/v1/tools/../../etc/passwd"])
+def test_unknown_route_is_404_problem(stack, path: str) -> None:
+    response = requests.get(url(stack, path), timeout=10)
+    assert_problem(response, 404, "not_found")
+
+
+@pytest.mark.parametrize("method, path", [("PUT", "/v1/tool-calls"), ("GET", "/v1/tool-calls"),
+                                          ("PATCH", "/v1/tool-calls/abc"), ("POST", "/v1/tools"),
+                                          ("DELETE", "/healthz")])
+def test_wrong_method_is_405_problem(stack, method: str, path: str) -> None:
+    response = requests.request(method, url(stack, path), timeout=10)
+    assert_problem(response, 405)
+    assert response.headers.get("Allow")
+
+
+def test_get_and_delete_of_unknown_or_foreign_task_is_404(agent, make_agent) -> None:
+    posted = post(agent, envelope())
+    task_id = posted.json()["task_id"]
+    intruder = make_agent()
+    for method in ("GET", "DELETE"):
+        for token, target in ((intruder.token, task_id), (agent.token, str(uuid.uuid4())), (agent.token, "x" * 500)):
+            response = requests.request(method, url(agent.stack, f"/v1/tool-calls/{target}"),
+                                        headers={"Authorization": f"Bearer {token}"}, timeout=10)
+            assert_problem(response, 404, "not_found")
+    no_token = requests.get(url(agent.stack, f"/v1/tool-calls/{task_id}"), timeout=10)
+    assert_problem(no_token, 401, "unauthorized")
+
+
+def test_metrics_labels_do_not_echo_client_input(stack) -> None:
+    marker = f"zz{uuid.uuid4().hex}"
+    body = {"tool_name": marker, "call_id": str(uuid.uuid4()), "parameters": {}}
+    response = requests.post(url(stack), data=json.dumps(body), timeout=10,
+                             headers={"Content-Type": "application/json", "Idempotency-Key": "k"})
+    assert response.status_code == 401
+    assert marker not in requests.get(url(stack, "/metrics"), timeout=10).text
+
+
+# --- fuzz ------------------------------------------------------------------------------------------
+
+def _random_json(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.randrange(9 if depth < 4 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.choice([0, -1, 2 ** 63, -(2 ** 64), 10 ** 300, 1e308, -1e-308, 60001, 1, 3.5])
+    if kind == 3:
+        return "".join(rng.choice(["a", "é", "😀", "\x00", "\u202e", "/", "..", "\\", '"', "\ud7ff", " "])
+                       for _ in range(rng.randrange(0, 40)))
+    if kind == 4:
+        return rng.choice(["read_file", "apply_file_patch", "execute_shell_command", str(uuid.uuid4()), "0" * 40])
+    if kind == 5:
+        return "x" * rng.randrange(0, 5000)
+    if kind == 6:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
+    keys = ["tool_name", "call_id", "parameters", "path", "diff", "base_sha", "command", "timeout_ms", "cwd",
+            "__proto__", "", "\x00", "é"]
+    return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(0, 6))}
+
+
+DEEP = 10000
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * DEEP + b"]" * DEEP,
+    b'{"a":' * DEEP + b"1" + b"}" * DEEP,
+    b'{"tool_name":"read_file","call_id":"00000000-0000-0000-0000-000000000000","parameters":' +
+    b"[" * DEEP + b"]" * DEEP + b"}",
+], ids=["array", "object", "in_parameters"])
+def test_deeply_nested_json_is_400(agent, raw: bytes) -> None:
+    assert_problem(post(agent, None, raw=raw), 400, "schema_invalid")
+
+
+@pytest.mark.parametrize("tool_name", [["read_file"], {"a": 1}], ids=["list", "object"])
+def test_unhashable_tool_name_is_400(agent, tool_name: Any) -> None:
+    response = post(agent, envelope() | {"tool_name": tool_name})
+    assert_problem(response, 400, "schema_invalid")
+    assert "/tool_name" in pointers(response)
+
+
+@pytest.mark.parametrize("tool_name, parameters", [
+    ("read_file", {"path": "a\ud800"}),
+    ("execute_shell_command", {"command": "echo \ud800"}),
+], ids=["path", "command"])
+def test_lone_surrogate_is_refused_or_fails_cleanly(agent, tool_name: str, parameters: dict) -> None:
+    body = json.dumps(envelope(tool_name, parameters))  # ensure_ascii: the body carries the escape \\ud800
+    try:
+        response = requests.post(url(agent.stack), data=body, headers=agent.headers(Prefer="wait=10"), timeout=6)
+    except requests.Timeout:
+        pytest.fail("no answer within 6 s")
+    if response.status_code == 400:
+        assert_problem(response, 400, "schema_invalid")
+        return
+    assert response.status_code in (200, 403, 404), response.text
+    if response.status_code == 200:
+        assert response.json()["status"] in ("completed", "failed"), response.text
+
+
+def _fuzz_bodies() -> list[bytes]:
+    """Random JSON values (a top-level tool_name stays a string: other types have their own test above),
+    random bytes, huge numbers, a lone surrogate (outside a tool parameter, see above), duplicate keys."""
+    rng = random.Random(20261130)
+    bodies: list[bytes] = [
+        b"[" * 500 + b"]" * 500,
+        b"9" * 100000,
+        b"1e999999",
+        b"-" + b"9" * 5000,
+        b'"' + "\\ud800".encode() + b'"',
+        b'{"tool_name":"execute_shell_command","call_id":"' + str(uuid.uuid4()).encode() +
+        b'","parameters":{"command":"true","timeout_ms":1e400}}',
+        b'{"tool_name":"read_file","call_id":"' + str(uuid.uuid4()).encode() +
+        b'","parameters":{"path":"a"},"tool_name":"execute_shell_command"}',
+        "\ufeff{}".encode(),
+        b"\x00" * 100,
+    ]
+    while len(bodies) < 140:
+        value = _random_json(rng)
+        if isinstance(value, dict) and "tool_name" in value and not isinstance(value["tool_name"], str):
+            value["tool_name"] = str(value["tool_name"])
+        bodies.append(json.dumps(value).encode())
+    while len(bodies) < 200:
+        bodies.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
+    return bodies
+
+
+def test_fuzzed_bodies_never_cause_a_server_error(agent) -> None:
+    failures = []
+    for index, raw in enumerate(_fuzz_bodies()):
+        response = post(agent, None, raw=raw)
+        content_type = response.headers.get("Content-Type", "")
+        ok = response.status_code < 500 and content_type in (PROBLEM_JSON, "application/json")
+        if ok and content_type == PROBLEM_JSON:
+            ok = isinstance(response.json().get("code"), str)
+        if ok:
+            try:
+                assert_no_leak(response)
+            except AssertionError:
+                ok = False
+        if not ok:
+            failures.append((index, raw[:60], response.status_code, response.text[:200]))
+    assert failures == [], failures
