@@ -26,16 +26,17 @@ class BenchError(RuntimeError):
 class Http:
     """One persistent connection; reconnects once if the server closed an idle keep-alive connection."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, timeout: float = 120) -> None:
         parts = urlsplit(base_url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.timeout = timeout
         self.conn: http.client.HTTPConnection | None = None
 
     def request(self, method: str, path: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
         for attempt in (1, 2):
             if self.conn is None:
-                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
                 self.conn.request(method, path, body=body, headers=headers or {})
                 response = self.conn.getresponse()
@@ -108,6 +109,8 @@ class StreamRead:
     events: int = 0
     stdout_bytes: int = 0
     first_output_at: float | None = None
+    first_output_bytes: int = 0
+    last_output_at: float | None = None
     exit_at: float | None = None
     exit: dict[str, Any] | None = None
     close_code: int | None = None
@@ -131,10 +134,11 @@ def read_stream(ws: websocket.WebSocket, *, until_first_output: bool = False) ->
         out.seq_ok &= event.get("seq") == expected_seq
         expected_seq += 1
         if event["type"] == "output":
+            piece = event["data"].encode() if "data" in event else base64.b64decode(event["data_b64"])
             if out.first_output_at is None:
-                out.first_output_at = now
+                out.first_output_at, out.first_output_bytes = now, len(piece)
+            out.last_output_at = now
             if event["stream"] == "stdout":
-                piece = event["data"].encode() if "data" in event else base64.b64decode(event["data_b64"])
                 out.stdout_bytes += len(piece)
                 sha.update(piece)
             if until_first_output:

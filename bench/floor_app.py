@@ -1,11 +1,15 @@
 """The floor HTTP app, served by gunicorn with exactly the product API's settings.
 
 - `POST /ping`: `send_task('runwarden.ping').get()` through the product's broker and worker pool;
-- `POST /sandbox`: `send_task('bench.sandbox_true').get()` on the floor worker (a task that only spawns the sandbox);
+- `POST /sandbox`: `send_task('bench.sandbox_true')` on the floor worker (a task that only spawns the sandbox),
+  waiting with BLPOP on a key the task pushes to — runwarden's own way of waiting, because Celery's
+  result consumer is not safe to share between the server's threads (BlockingIOError under load);
 - `WS /pubsub/<channel>`: Redis pub/sub → flask-sock → WebSocket, one text frame per message,
   written the way the product's stream handler writes (wsproto frame, `sendall`).
 """
 from __future__ import annotations
+
+import uuid
 
 import redis
 from flask import Flask, Response, request
@@ -36,8 +40,12 @@ def create_app() -> Flask:
     @app.post("/sandbox")
     def sandbox() -> Response:
         request.get_data()
-        value = celery.send_task(SANDBOX_TASK, queue=FLOOR_QUEUE).get(timeout=60)
-        return Response(f'{{"exit_code":{int(value)}}}', content_type="application/json")
+        done_key = f"bench:done:{uuid.uuid4().hex}"
+        celery.send_task(SANDBOX_TASK, args=[done_key], queue=FLOOR_QUEUE)
+        found = client.blpop([done_key], timeout=60)
+        if found is None:
+            return Response("timeout", status=504)
+        return Response(f'{{"exit_code":{int(found[1])}}}', content_type="application/json")
 
     @sock.route("/pubsub/<name>")
     def pubsub(ws, name: str) -> None:  # type: ignore[no-untyped-def]

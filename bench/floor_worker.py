@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import redis
+
 from bench import floor_sandbox
 from bench.names import SANDBOX_TASK
 from shared.settings import Settings
@@ -16,10 +18,22 @@ settings = Settings.from_env()
 celery = create_celery(settings)
 _root = os.environ.get("BENCH_FLOOR_ROOT")
 # Built once in the main process, before the pool forks, like the product worker's runner.
-_runner, _workspace = floor_sandbox.build(settings, Path(_root)) if _root else (None, None)
+_floor = floor_sandbox.build(settings, Path(_root)) if _root else None
 
 
-@celery.task(name=SANDBOX_TASK)
-def sandbox_true() -> int:
-    assert _runner is not None and _workspace is not None, "BENCH_FLOOR_ROOT is not set"
-    return floor_sandbox.spawn_true(_runner, _workspace)
+_redis = None
+
+
+@celery.task(name=SANDBOX_TASK, ignore_result=True)
+def sandbox_true(done_key: str) -> None:
+    """Spawn the sandbox; report like runwarden's tasks do (a push the API BLPOPs), since Celery's
+    result consumer cannot be shared by the server's threads."""
+    global _redis
+    assert _floor is not None, "BENCH_FLOOR_ROOT is not set"
+    code = floor_sandbox.spawn_true(_floor)
+    if _redis is None or _redis[0] != os.getpid():
+        _redis = (os.getpid(), redis.Redis.from_url(settings.redis_url))
+    pipe = _redis[1].pipeline(transaction=False)
+    pipe.rpush(done_key, code)
+    pipe.expire(done_key, 60)
+    pipe.execute()

@@ -102,6 +102,7 @@ class Publisher:
         self.retention_s = retention_s
         self.seq = 0
         self.batch: list[str] = []
+        self.expiry_set = False
 
     def add(self, stream: str, piece: bytes) -> None:
         if piece:
@@ -116,6 +117,8 @@ class Publisher:
         first = self.seq - len(self.batch) + 1
         for offset, event in enumerate(self.batch):
             pipe.xadd(self.log_key, {"e": event}, id=f"{first + offset}-1")
-        pipe.expire(self.log_key, self.retention_s + 3600)
+        if not self.expiry_set:  # until the call ends; its end sets the retention
+            pipe.expire(self.log_key, self.retention_s + 3600)
+            self.expiry_set = True
         pipe.execute()
         self.batch.clear()

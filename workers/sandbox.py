@@ -69,15 +69,9 @@ class Limits:
 class Process:
     """A started command: its pipes, and how to signal or end its whole tree."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], group_leader: int, cgroup: CallGroup | None = None) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], group_leader: int) -> None:
         self.popen = popen
         self.group_leader = group_leader
-        self.cgroup = cgroup
-
-    def release(self) -> None:
-        """After the tree is dead and reaped: remove its cgroup."""
-        if self.cgroup is not None:
-            self.cgroup.remove()
 
     def signal(self, signum: int) -> None:
         """Deliver to the command's process group (the sandbox init ignores what it has no use for)."""
@@ -98,7 +92,7 @@ class Process:
 class Runner(Protocol):
     name: str
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process: ...
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process: ...
 
 
 _RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
@@ -180,8 +174,8 @@ class BwrapRunner:
             args += ["--setenv", key, value]
         return args + ["--", "/bin/bash", "-c", command]
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process:
-        cgroup = self.cgroups.create(name) if self.cgroups else None
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
+        cgroup = self.cgroups.for_this_process() if self.cgroups else None
         info_read, info_write = os.pipe()
         # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
         # show host paths such as the workspaces root.
@@ -200,8 +194,6 @@ class BwrapRunner:
             )
         except BaseException:
             os.close(info_read)
-            if cgroup is not None:
-                cgroup.remove()
             raise
         finally:
             os.close(info_write)
@@ -214,10 +206,8 @@ class BwrapRunner:
             child = int(json.loads(info)["child-pid"])
         except (ValueError, KeyError):
             stderr = popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
-            if cgroup is not None:
-                cgroup.remove()
             raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
-        return Process(popen, group_leader=child, cgroup=cgroup)
+        return Process(popen, group_leader=child)
 
 
 class UnsafeRunner:
@@ -229,15 +219,15 @@ class UnsafeRunner:
         self.limits = limits
         self.cgroups = cgroups
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool, name: str) -> Process:
-        cgroup = self.cgroups.create(name) if self.cgroups else None
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
+        cgroup = self.cgroups.for_this_process() if self.cgroups else None
         env = environment() | {"HOME": str(workspace)}
         popen = subprocess.Popen(
             ["/bin/bash", "-c", command], cwd=workspace / cwd if cwd else workspace,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
             start_new_session=True, preexec_fn=lambda: _limit_and_drop(self.limits, None, cgroup),
         )
-        return Process(popen, group_leader=popen.pid, cgroup=cgroup)
+        return Process(popen, group_leader=popen.pid)
 
 
 def _read_all(fd: int) -> bytes:
@@ -322,9 +312,8 @@ def self_test(runner: Runner, scratch: Path) -> None:
     if isinstance(runner, BwrapRunner) and runner.host_uid is not None:
         os.chown(scratch, runner.host_uid, runner.host_uid)
     try:
-        process = runner.spawn("exit 0", scratch, "", network=False, name=f"selftest-{os.getpid()}")
+        process = runner.spawn("exit 0", scratch, "", network=False)
         _, stderr = process.popen.communicate(timeout=20)
-        process.release()
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxUnavailable(f"sandbox self-test could not run: {exc}") from None
     if process.popen.returncode != 0:

@@ -1,6 +1,7 @@
 """One shell call from spawn to exit: read both pipes, publish, obey timeout, cap, signals, cancel."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -19,6 +20,9 @@ from workers.relay import Publisher, StreamCopy
 from workers.sandbox import Process, Runner
 
 READ_BYTES = 128 * 1024
+READS_PER_FLUSH = 8
+PIPE_BYTES = 1024 * 1024
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 POLL_S = 0.2
 ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
                    "SIGHUP": signal.SIGHUP}
@@ -66,7 +70,7 @@ class ShellCall:
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
             control: redis.client.PubSub) -> Outcome:
         started = time.monotonic()
-        process = self.runner.spawn(command, workspace, cwd, network, name=self.task_id)
+        process = self.runner.spawn(command, workspace, cwd, network)
         run = _Run(process, deadline=started + timeout_ms / 1000)
         assert process.popen.stdout and process.popen.stderr
         run.streams = {
@@ -80,13 +84,13 @@ class ShellCall:
             process.popen.wait()
             for pipe in (process.popen.stdout, process.popen.stderr):
                 pipe.close()
-            process.release()
         return self._outcome(run, started)
 
     def _pump(self, run: _Run, control: redis.client.PubSub) -> None:
         selector = selectors.DefaultSelector()
         for fd in run.streams:
             os.set_blocking(fd, False)
+            _grow_pipe(fd)
             selector.register(fd, selectors.EVENT_READ)
         control_fd = control.connection._sock.fileno()  # type: ignore[union-attr]
         selector.register(control_fd, selectors.EVENT_READ)
@@ -100,7 +104,7 @@ class ShellCall:
             for key, _ in selector.select(max(0.0, wake - now)):
                 if key.fd == control_fd:
                     self._read_control(run, control)
-                elif not self._read_pipe(run, key.fd):
+                elif not self._drain_pipe(run, key.fd):
                     selector.unregister(key.fd)
                     open_pipes.discard(key.fd)
             self.publisher.flush()
@@ -119,12 +123,22 @@ class ShellCall:
                 run.kill_at = float("inf")
         selector.close()
 
-    def _read_pipe(self, run: _Run, fd: int) -> bool:
-        """Read what is there; False at EOF. Past the cap the command is stopped, never silently cut."""
+    def _drain_pipe(self, run: _Run, fd: int) -> bool:
+        """Read what the pipe holds, a few reads at most, so one Redis round trip carries several
+        events; False at EOF."""
+        for _ in range(READS_PER_FLUSH):
+            got = self._read_pipe(run, fd)
+            if got is not True:
+                return got is None  # None: drained for now; False: EOF
+        return True
+
+    def _read_pipe(self, run: _Run, fd: int) -> bool | None:
+        """One read: True with data, None when the pipe is empty, False at EOF.
+        Past the cap the command is stopped, never silently cut."""
         try:
             data = os.read(fd, READ_BYTES)
         except BlockingIOError:
-            return True
+            return None
         copy = run.streams[fd]
         if not data:
             self._emit(copy, copy.cutter.flush())
@@ -147,7 +161,10 @@ class ShellCall:
             self.publisher.add(copy.name, piece)
 
     def _read_control(self, run: _Run, control: redis.client.PubSub) -> None:
+        channel = keys.control(self.task_id).encode()
         while (message := control.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
+            if message.get("channel") != channel:
+                continue  # a late message for an earlier call of this process
             try:
                 order = json.loads(message["data"])
             except (TypeError, ValueError):
@@ -183,8 +200,9 @@ class ShellCall:
         return Outcome(status, result, exit_event)
 
 
-def subscribe_control(client: redis.Redis, task_id: str) -> redis.client.PubSub:
-    """Subscribe before the call is marked running, so a cancel that sees `running` reaches us."""
-    pubsub = client.pubsub()
-    pubsub.subscribe(keys.control(task_id))
-    return pubsub
+def _grow_pipe(fd: int) -> None:
+    """A 1 MiB pipe lets a fast writer get ahead between our reads (Linux only; best effort)."""
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:
+        pass

@@ -24,7 +24,7 @@ from shared.settings import Settings
 from workers import workspace
 from workers.files import PatchApplier, read_file as read_file_tool
 from workers.sandbox import Runner
-from workers.shell import ShellCall, subscribe_control
+from workers.shell import ShellCall
 
 log = logging.getLogger("runwarden.tasks")
 # "host:pid" of the worker's main process (this module is imported before the pool forks): the
@@ -47,6 +47,7 @@ class WorkerContext:
         self.sandbox_error = sandbox_error
         self.sandbox_owner = getattr(runner, "host_uid", None)
         self.name = WORKER_NAME
+        self.control = self.redis.pubsub()  # one connection per process, a channel per call
 
     def workspace(self, tenant: str, run_id: str) -> Path:
         return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
@@ -146,7 +147,9 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
 def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any] | None:
     """At most once: acked on receipt; a second delivery finds the call no longer queued and stops."""
     ctx, task_id = self.ctx, self.request.id
-    control = subscribe_control(ctx.redis, task_id)
+    control = ctx.control
+    # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
+    control.subscribe(keys.control(task_id))
     try:
         found = ctx.records.start(task_id, ctx.name)
         if found != "running":
@@ -156,7 +159,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
         return {"status": status.value, "result": result}
     finally:
-        control.close()
+        control.unsubscribe(keys.control(task_id))
 
 
 def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any) -> tuple[Status, Any, str]:

@@ -133,10 +133,11 @@ def replace(dir_fd: int, name: str, data: bytes, like: FileState) -> None:
         os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
+    # The data is on disk before the rename, so no crash exposes an empty or partial file; the
+    # rename itself is atomic for every reader. (No directory fsync: it buys durability of the
+    # rename across power loss, not atomicity, at the cost of a second disk flush per patch.)
     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    os.fsync(dir_fd)
 
 
 def delete(dir_fd: int, name: str) -> None:
     os.unlink(name, dir_fd=dir_fd)
-    os.fsync(dir_fd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -65,12 +66,19 @@ def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     try:
         _follow(ws, task_id)
     except ConnectionClosed:
-        raise
+        pass
     except Exception as exc:  # Redis went away, or a bug: the client resumes later with after_seq
         log.warning("stream %s ended early: %s", task_id, type(exc).__name__)
         try:
             ws.close(INTERNAL_ERROR, "stream interrupted; reconnect with after_seq")
         except Exception:
+            pass
+    finally:
+        # gunicorn's gthread worker otherwise waits up to 2 s on its event loop for the client to
+        # close the upgraded socket, stalling every connection of the process meanwhile.
+        try:
+            ws.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
 
 
@@ -80,7 +88,7 @@ def _follow(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     threading.Thread(target=_receive_signals, args=(ws, rt.redis, task_id), daemon=True).start()
     log_key, last = keys.log(task_id), g.after_seq
     block_ms = 1  # the first read only asks what is there, so a finished replay ends at once
-    while True:
+    while ws.connected:  # a client that went away frees its thread and Redis connection
         until_expiry_ms = int((grant.exp - time.time()) * 1000)
         if until_expiry_ms <= 0:
             ws.close(POLICY_VIOLATION, "token expired")
