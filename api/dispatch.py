@@ -17,7 +17,7 @@ from redis import RedisError
 from api.problems import PROBLEM_JSON, json_response, problem_response
 from api.runtime import Runtime
 from shared import commands, keys, paths
-from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, RateLimited, Unavailable
+from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
 from shared.idempotency import Existing, fingerprint
 from shared.keys import Status
 from shared.schema import ToolCall
@@ -84,22 +84,8 @@ def prefer_wait() -> int | None:
     return None
 
 
-def check_rate(rt: Runtime, tenant: str) -> None:
-    """A fixed one-second window per tenant; a refusal claims nothing, so the retry can succeed."""
-    second = int(time.time())
-    pipe = rt.redis.pipeline(transaction=False)
-    pipe.incr(keys.rate(tenant, second))
-    pipe.expire(keys.rate(tenant, second), 2)
-    count, _ = pipe.execute()
-    if count > rt.settings.rate_limit_per_s:
-        error = RateLimited(f"More than {rt.settings.rate_limit_per_s} tool calls per second for this tenant.")
-        error.headers["Retry-After"] = "1"
-        raise error
-
-
 def submit(rt: Runtime, accepted: Accepted) -> Response:
     call, grant = accepted.call, accepted.grant
-    check_rate(rt, grant.tenant)
     fp = fingerprint(grant.run_id, call.tool_name, call.call_id, call.parameters)
     ids = {"task_id": accepted.task_id, "call_id": call.call_id, "tool_name": call.tool_name}
     shell = call.tool_name == SHELL

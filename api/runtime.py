@@ -30,7 +30,7 @@ class Runtime:
             settings=settings,
             redis=client,
             celery=celery,
-            idempotency=Idempotency(client, settings.idempotency_ttl_s),
+            idempotency=Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s),
             records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                             lease_s=settings.lease_s),
         )

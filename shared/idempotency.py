@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey
+from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, RateLimited
 
 KEY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
 
@@ -44,9 +44,14 @@ def fingerprint(run_id: str, tool_name: str, call_id: str, parameters: dict[str,
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# KEYS: idempotency record, task record, done list.
-# ARGV: fingerprint, task id, ttl ms, tenant, run id, call id, tool name, created ms, accepted code, accepted body.
+# KEYS: idempotency record, task record, done list, the tenant's rate counter for this second.
+# ARGV: fingerprint, task id, ttl ms, tenant, run id, call id, tool name, created ms, accepted code,
+#       accepted body, rate limit per second.
+# The rate check comes first and claims nothing when it refuses, so the retry can succeed.
 _CLAIM = """
+local calls = redis.call('INCR', KEYS[4])
+if calls == 1 then redis.call('EXPIRE', KEYS[4], 2) end
+if calls > tonumber(ARGV[11]) then return 'rate_limited' end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HMGET', KEYS[1], 'fp', 'task_id', 'state', 'code', 'body')
 end
@@ -83,9 +88,10 @@ class Existing:
 
 
 class Idempotency:
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: int, rate_limit_per_s: int) -> None:
         self.client = client
         self.ttl_ms = ttl_s * 1000
+        self.rate_limit_per_s = rate_limit_per_s
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
 
@@ -105,9 +111,15 @@ class Idempotency:
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
         found = self._claim(
-            keys=[keys.idempotency(tenant, key), keys.task(task_id), keys.done(task_id)],
-            args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body],
+            keys=[keys.idempotency(tenant, key), keys.task(task_id), keys.done(task_id),
+                  keys.rate(tenant, created_ms // 1000)],
+            args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body,
+                  self.rate_limit_per_s],
         )
+        if found == b"rate_limited":
+            error = RateLimited(f"More than {self.rate_limit_per_s} tool calls per second for this tenant.")
+            error.headers["Retry-After"] = "1"
+            raise error
         if not found:
             return None
         fp_found, task_found, state, code_found, body_found = found

@@ -29,7 +29,7 @@ if ARGV[5] ~= '1' then
   redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 end
 if redis.call('HGET', KEYS[1], 'cancel') then return 'cancel' end
-return 'running'
+return 'running:' .. redis.call('HGET', KEYS[1], 'attempts')
 """
 
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
@@ -161,16 +161,15 @@ class Records:
             cancel_requested="cancel" in text,
         )
 
-    def start(self, task_id: str, worker: str, *, reentrant: bool = False) -> str:
-        """queued → running; returns the status found when the call may not start ("cancel" if flagged)."""
+    def start(self, task_id: str, worker: str, *, reentrant: bool = False) -> tuple[str, int]:
+        """queued → running: ("running", deliveries so far). Otherwise the status found, which the
+        call may not start from ("cancel" if a cancel was flagged)."""
         found = self._start(
             keys=self._keys(task_id)[:3],
             args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0"],
-        )
-        return found.decode()
-
-    def attempts(self, task_id: str) -> int:
-        return int(self.client.hget(keys.task(task_id), "attempts") or 0)
+        ).decode()
+        status, _, attempts = found.partition(":")
+        return status, int(attempts or 0)
 
     def refresh_lease(self, task_id: str, worker: str) -> None:
         self.client.set(keys.lease(task_id), worker, px=self.lease_ms)

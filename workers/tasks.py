@@ -73,10 +73,10 @@ class RunwardenTask(Task):
     def file_call(self, call: dict[str, Any], tool: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run a file tool once per call, even when its message is delivered again."""
         records, task_id = self.ctx.records, self.request.id
-        found = records.start(task_id, self.ctx.name, reentrant=True)
+        found, attempts = records.start(task_id, self.ctx.name, reentrant=True)
         if found not in ("running", "cancel"):
             return self._replay(call, found)
-        if records.attempts(task_id) > MAX_FILE_ATTEMPTS:
+        if attempts > MAX_FILE_ATTEMPTS:
             error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
             return self._record_error(call, error)
         try:
@@ -151,7 +151,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
     control.subscribe(keys.control(task_id))
     try:
-        found = ctx.records.start(task_id, ctx.name)
+        found, _ = ctx.records.start(task_id, ctx.name)
         if found != "running":
             log.info("shell call %s not started: it is %s", task_id, found)
             return None
