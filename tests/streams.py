@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,3 +66,25 @@ def watch(agent: Any, task_id: str, **kwargs: Any) -> Received:
         return collect(ws)
     finally:
         ws.close()
+
+
+def raw_upgrade(agent: Any, task_id: str, *, receive_buffer: int | None = None, timeout: float = 30) -> socket.socket:
+    """A bare socket that completes the WebSocket handshake and has read nothing of the stream
+    (the headers are read byte by byte), for tests that read frames themselves or never read."""
+    host, port = agent.stack.base_url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(timeout)
+    sock.connect((host, int(port)))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall((f"GET /v1/tool-calls/{task_id}/stream HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                  f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {agent.token}\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock

@@ -7,7 +7,6 @@ Figures (recovery times, counts) are printed; run with `-s` to see them.
 """
 from __future__ import annotations
 
-import base64
 import os
 import secrets
 import shutil
@@ -26,7 +25,7 @@ import requests
 
 from shared import devstack, keys
 from tests.conftest import ALL_SCOPES, Agent, StackInfo, reachable_workspaces, start_stack
-from tests.streams import collect, connect
+from tests.streams import collect, connect, raw_upgrade
 from workers.patching import git_blob_sha
 
 TERMINAL = {"completed", "failed", "cancelled", "lost"}
@@ -444,22 +443,6 @@ def parse_frames(data: bytes) -> tuple[list[tuple[int, bytes]], bytes]:
     return frames, data[i:]
 
 
-def raw_stream(info: StackInfo, agent: Agent, task_id: str) -> Any:
-    host, port = info.base_url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=15)
-    key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall((f"GET /v1/tool-calls/{task_id}/stream HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                  f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {agent.token}\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 101"), head
-    return sock
-
-
 @pytest.mark.timeout(90)
 def test_stream_closes_cleanly_when_redis_goes_away(tmp_path: Path) -> None:
     redis_stack = devstack.Stack()
@@ -469,7 +452,7 @@ def test_stream_closes_cleanly_when_redis_goes_away(tmp_path: Path) -> None:
         agent = new_agent(info)
         response = post_shell(agent, "echo hi; sleep 20")
         assert response.status_code == 202
-        sock = raw_stream(info, agent, response.json()["task_id"])
+        sock = raw_upgrade(agent, response.json()["task_id"])
         received = b""
         while b"hi" not in received:
             received += sock.recv(4096)

@@ -4,7 +4,6 @@ Figures (throughput, latency, memory) are printed; run with `-s` to see them.
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import shutil
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ALL_SCOPES, Agent, StackInfo, reachable_workspaces, start_stack
-from tests.streams import Received, watch
+from tests.streams import Received, raw_upgrade, watch
 
 TERMINAL = {"completed", "failed", "cancelled", "lost"}
 
@@ -158,23 +157,8 @@ def test_200_concurrent_calls_from_20_tenants_all_complete_byte_exact(load_stack
 # --- many watchers, stalled readers, API memory ------------------------------------------------------
 
 def stalled_reader(info: StackInfo, agent: Agent, task_id: str) -> socket.socket:
-    """A client that does the WebSocket handshake and then never reads a byte."""
-    host, port = info.base_url.removeprefix("http://").split(":")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # a slow phone, not a fat pipe
-    sock.settimeout(30)
-    sock.connect((host, int(port)))
-    key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall((f"GET /v1/tool-calls/{task_id}/stream HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                  f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {agent.token}\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)  # byte by byte: not one byte of the stream itself is read
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 101"), head
-    return sock
+    """A client that does the WebSocket handshake and then never reads a byte (a slow phone)."""
+    return raw_upgrade(agent, task_id, receive_buffer=16384)
 
 
 def watch_safely(agent: Agent, task_id: str, timeout: float) -> Received | str:
