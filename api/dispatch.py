@@ -16,7 +16,7 @@ from redis import RedisError
 
 from api.problems import PROBLEM_JSON, json_response, problem_response
 from api.runtime import Runtime
-from shared import commands, keys, paths
+from shared import commands, paths
 from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
 from shared.idempotency import Existing, fingerprint
 from shared.keys import Status
@@ -54,19 +54,11 @@ def authorize(call: ToolCall, grant: Grant) -> ToolCall:
     if call.tool_name == SHELL:
         if "cwd" in params:
             params["cwd"] = paths.normalize(params["cwd"], allow_root=True)
-            if params["cwd"] and not _cwd_allowed(grant, params["cwd"]):
+            if params["cwd"] and not paths.path_allowed(grant.allowed_paths, params["cwd"]):
                 raise PathForbidden("The token's allowed_paths do not cover this cwd.")
         if grant.allowed_commands is not None:
             commands.check(params["command"], grant.allowed_commands)
     return ToolCall(call.tool_name, call.call_id, params)
-
-
-def _cwd_allowed(grant: Grant, cwd: str) -> bool:
-    try:
-        grant.require_path(cwd)
-    except PathForbidden:
-        return False
-    return True
 
 
 def stream_url(task_id: str) -> str:

@@ -100,7 +100,8 @@ def now_ms() -> int:
 
 
 def exit_event(status: Status, **fields: Any) -> str:
-    """The exit event of a call that ended without its worker's own account (cancelled, lost)."""
+    """A call's exit event; `seq` is assigned when it is logged. Fields a call that never ran (or
+    whose worker died) cannot know stay null."""
     event = {
         "type": "exit", "seq": 0, "status": status.value, "exit_code": None, "signal": None,
         "timed_out": False, "duration_ms": None, "stdout_bytes": None, "stderr_bytes": None,
@@ -206,10 +207,11 @@ class Records:
         )
         return found.decode()
 
-    def reap(self, task_id: str, *, shell: bool = True) -> bool:
-        """A running call whose worker stopped renewing its lease becomes `lost` (never re-run)."""
+    def reap(self, task_id: str) -> bool:
+        """A running shell call whose worker stopped renewing its lease becomes `lost` (never re-run);
+        only shell calls hold leases."""
         result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run."}
-        exit_json = exit_event(Status.LOST) if shell else ""
+        exit_json = exit_event(Status.LOST)
         return bool(self._reap(
             keys=self._keys(task_id),
             args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],

@@ -15,6 +15,7 @@ import redis
 
 from shared import keys
 from shared.keys import Status
+from shared.records import exit_event
 from shared.settings import Settings
 from workers.relay import Publisher, StreamCopy
 from workers.sandbox import Process, Runner
@@ -194,10 +195,8 @@ class ShellCall:
             "truncated": run.truncated,
         }
         status = Status.CANCELLED if run.cancelled else Status.COMPLETED
-        exit_event = json.dumps({"type": "exit", "seq": 0, "status": status.value, **summary},
-                                separators=(",", ":"))
         result = {**summary, **stdout.result_fields(), **stderr.result_fields()}
-        return Outcome(status, result, exit_event)
+        return Outcome(status, result, exit_event(status, **summary))
 
 
 def _grow_pipe(fd: int) -> None:

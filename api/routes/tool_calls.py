@@ -21,21 +21,11 @@ bp = Blueprint("tool_calls", __name__)
 TASK_ID_MAX = 64
 
 
-def _echo_call_ids() -> None:
-    """Errors before the call is parsed still carry call_id and tool_name as sent, when there are some."""
-    try:
-        body = request.get_json(force=True, silent=True, cache=True) if (request.content_length or 0) <= 1 << 21 else None
-    except RecursionError:
-        body = None
-    if isinstance(body, dict):
-        g.call_context = {k: body[k] for k in ("call_id", "tool_name") if isinstance(body.get(k), str)
-                          and len(body[k]) <= 256}
+MAX_EARLY_PARSE = 1 << 21
+_UNREAD = object()
 
 
-def _body() -> object:
-    if request.mimetype not in ("application/json", ""):  # a missing Content-Type is read as JSON
-        raise UnsupportedMediaType("Send the tool call as application/json.")
-    raw = request.get_data(cache=True)  # bounded by MAX_CONTENT_LENGTH: larger is a 413 before this
+def _parse(raw: bytes) -> object:
     try:
         body = json.loads(raw)
         # A lone surrogate ("\ud800") is valid JSON but no file name, command or output can hold it.
@@ -46,9 +36,34 @@ def _body() -> object:
     return body
 
 
+def _read_body() -> None:
+    """Parse the body once, before authentication, so that even refusals carry call_id and
+    tool_name as sent; a parse error is kept and raised by `_body`, after the token and key checks."""
+    g.body, g.body_error = _UNREAD, None
+    if (request.content_length or 0) > MAX_EARLY_PARSE:
+        return  # read (and refused with 413) by `_body`, after authentication
+    try:
+        g.body = _parse(request.get_data(cache=True))
+    except SchemaInvalid as exc:
+        g.body_error = exc
+    if isinstance(g.body, dict):
+        g.call_context = {k: g.body[k] for k in ("call_id", "tool_name") if isinstance(g.body.get(k), str)
+                          and len(g.body[k]) <= 256}
+
+
+def _body() -> object:
+    if request.mimetype not in ("application/json", ""):  # a missing Content-Type is read as JSON
+        raise UnsupportedMediaType("Send the tool call as application/json.")
+    if g.body_error is not None:
+        raise g.body_error
+    if g.body is _UNREAD:
+        return _parse(request.get_data(cache=True))  # bounded by MAX_CONTENT_LENGTH: larger is a 413
+    return g.body
+
+
 @bp.post("/v1/tool-calls")
 def create() -> Response:
-    _echo_call_ids()
+    _read_body()
     grant = authenticate()
     key = parse_key(request.headers.getlist("Idempotency-Key"))
     g.call_context = {**getattr(g, "call_context", {}), "task_id": keys.task_id_for(grant.tenant, key)}
