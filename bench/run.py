@@ -220,8 +220,9 @@ class Bench:
             raise BenchError(f"shell true: {answer['status']} {answer['result']}")
         return elapsed
 
-    def op_shell_ws(self) -> float:
-        body, headers = self.agent.request("execute_shell_command", {"command": "true"})
+    def shell_streamed(self, command: str) -> tuple[float, dict[str, Any], Any]:
+        """POST a shell call (202), read its WebSocket to the end: (POST time, answer, stream)."""
+        body, headers = self.agent.request("execute_shell_command", {"command": command})
         t0 = time.perf_counter()
         answer = self.agent.send(self.api, body, headers, expect=202)
         ws = self.agent.stream(answer["stream_url"])
@@ -230,6 +231,10 @@ class Bench:
         finally:
             ws.close()
         self.count()
+        return t0, answer, got
+
+    def op_shell_ws(self) -> float:
+        t0, _, got = self.shell_streamed("true")
         if got.exit is None or got.exit_at is None or got.exit["exit_code"] != 0 or got.close_code != 1000:
             raise BenchError(f"shell true stream: {got}")
         return got.exit_at - t0
@@ -419,15 +424,7 @@ class Bench:
         return {"bytes": received, "mb_per_s": (received - first_len) / (last_at - first_at) / 1e6}
 
     def relay_rw_once(self, total: int) -> dict[str, Any]:
-        body, headers = self.agent.request("execute_shell_command", {"command": SHELL_BIG.format(n=total)})
-        t0 = time.perf_counter()
-        answer = self.agent.send(self.api, body, headers, expect=202)
-        ws = self.agent.stream(answer["stream_url"])
-        try:
-            got = read_stream(ws)
-        finally:
-            ws.close()
-        self.count()
+        t0, answer, got = self.shell_streamed(SHELL_BIG.format(n=total))
         self.s.redis.delete(keys.log(answer["task_id"]))  # free Redis memory: the log is no longer needed
         if not (got.sha_ok and got.seq_ok and got.stdout_bytes == total and got.close_code == 1000
                 and got.exit and got.exit["exit_code"] == 0 and not got.exit["truncated"]):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -72,9 +71,7 @@ class _Retarget(devstack.Stack):
 
 def start(logs: Path) -> BenchStack:
     stack = devstack.Stack()
-    # Like tests/conftest.py reachable_workspaces: a 0711 root under /tmp, so bwrap runs unprivileged.
-    root = Path(tempfile.mkdtemp(prefix="runwarden-bench-", dir="/tmp"))
-    root.chmod(0o711)
+    root = devstack.reachable_dir("runwarden-bench-")  # so bwrap runs unprivileged, as in the tests
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("*.log"):
         old.unlink()
@@ -84,13 +81,12 @@ def start(logs: Path) -> BenchStack:
         # product's relay is a Redis Stream, which has no such limit) instead of dropping the subscriber.
         redis.Redis.from_url(redis_url).config_set("client-output-buffer-limit", "pubsub 0 0 0")
         secret = secrets.token_urlsafe(36)  # 48 characters
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
-        env.update({
+        env = devstack.child_env(**{
             "RUNWARDEN_REDIS_URL": redis_url,
             "RUNWARDEN_JWT_SECRET": secret,
             "RUNWARDEN_WORKSPACES": str(root / "workspaces"),
-            "RUNWARDEN_KILL_GRACE_MS": "500",
-            "RUNWARDEN_RATE_LIMIT": "1000000",  # the per-tenant limit is still checked on every call, never hit  # only cancels use it: the idle streams are cancelled at the end
+            "RUNWARDEN_KILL_GRACE_MS": "500",  # only cancels use it: the idle streams are cancelled at the end
+            "RUNWARDEN_RATE_LIMIT": "1000000",  # the per-tenant limit is still checked on every call, never hit
             "BENCH_FLOOR_ROOT": str(root / "floor"),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),

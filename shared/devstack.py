@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def child_env(**settings: str) -> dict[str, str]:
+    """This process's environment without any RUNWARDEN_* of its own, plus `settings`: what each
+    part of a stack started here is given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
+    env.update(settings)
+    return env
+
+
+def reachable_dir(prefix: str) -> Path:
+    """A fresh 0711 directory under /tmp: as a workspaces root, the sandbox's unprivileged uid can
+    reach it (pytest's and mkdtemp's own 0700 parents would make bwrap run as root instead)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o711)
+    return path
 
 
 def find_redis_server() -> str:

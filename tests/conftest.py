@@ -8,10 +8,8 @@ under running workers.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,14 +41,11 @@ class StackInfo:
 def reachable_workspaces() -> Path:
     """A workspaces root the sandbox's unprivileged uid can reach (pytest's temp dirs are 0700),
     so the session exercises the stronger mode: bwrap itself runs as that uid, not as root."""
-    path = Path(tempfile.mkdtemp(prefix="runwarden-ws-", dir="/tmp"))
-    path.chmod(0o711)
-    return path
+    return devstack.reachable_dir("runwarden-ws-")
 
 
 def stack_env(tmp: Path, redis_url: str, secret: str, **overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
-    env.update({
+    return devstack.child_env(**{
         "RUNWARDEN_REDIS_URL": redis_url,
         "RUNWARDEN_JWT_SECRET": secret,
         "RUNWARDEN_WORKSPACES": str(tmp / "workspaces"),
@@ -58,9 +53,8 @@ def stack_env(tmp: Path, redis_url: str, secret: str, **overrides: str) -> dict[
         "RUNWARDEN_KILL_GRACE_MS": "500",
         "RUNWARDEN_VISIBILITY_TIMEOUT": "120",
         "PYTHONUNBUFFERED": "1",
+        **overrides,
     })
-    env.update(overrides)
-    return env
 
 
 def start_stack(tmp: Path, *, workers: int = 1, concurrency: int = 2, redis_url: str | None = None,
