@@ -25,12 +25,12 @@ class CallGroup:
 
     dirs: tuple[Path, ...]
 
-    def join(self) -> None:
-        """Move the calling process into the group; runs in the child between fork and exec."""
+    def add(self, pid: int) -> None:
+        """Move a process into the group; what it starts from then on is in it too."""
         for directory in self.dirs:
             fd = os.open(directory / "cgroup.procs", os.O_WRONLY)
             try:
-                os.write(fd, b"0")
+                os.write(fd, str(pid).encode())
             finally:
                 os.close(fd)
 
@@ -47,7 +47,7 @@ class Cgroups:
 
         A pool process runs one call at a time and no process outlives a call, so the group
         bounds exactly one call's tree. Making a fresh memory cgroup per call cost ~20 ms of
-        bwrap start-up (measured in bench/); reusing one costs ~6 ms.
+        bwrap start-up (measured in bench/); moving a process into an existing one costs ~0.3 ms.
         """
         if self._own is None or self._own[0] != os.getpid():
             self._own = (os.getpid(), self.create(f"pool-{os.getpid()}"))
