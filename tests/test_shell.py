@@ -10,9 +10,11 @@ import re
 import time
 
 import pytest
+import redis
 
 from shared.keys import task_id_for
 from workers.sandbox import find_bwrap
+from workers.tasks import drain_control
 from tests.streams import collect, connect, watch
 
 
@@ -258,3 +260,19 @@ def test_sandbox_sees_no_host_paths_in_its_init_cmdline(agent) -> None:
     assert program in ("bwrap", find_bwrap())
     assert re.match(r"--args \d+ -- /bin/bash -c ", options), options  # options came through a memfd
     assert str(agent.stack.workspaces) not in body["result"]["stdout"]
+
+
+def test_control_connection_forgets_each_calls_channel(stack) -> None:
+    """A pool process subscribes its one control connection to a channel per call; reading the
+    confirmations must let redis-py drop those channels, or a worker grows with every call."""
+    control = redis.Redis.from_url(stack.redis_url).pubsub()
+    try:
+        for n in range(200):
+            drain_control(control)
+            control.subscribe(f"rw:control:test-{n}")
+            control.unsubscribe(f"rw:control:test-{n}")
+        drain_control(control)
+        assert len(control.channels) <= 1 and len(control.pending_unsubscribe_channels) <= 1, (
+            len(control.channels), len(control.pending_unsubscribe_channels))
+    finally:
+        control.close()

@@ -163,8 +163,11 @@ class ShellCall:
 
     def _read_control(self, run: _Run, control: redis.client.PubSub) -> None:
         channel = keys.control(self.task_id).encode()
-        while (message := control.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
-            if message.get("channel") != channel:
+        # Confirmations are read too (get_message returns None for one it is told to ignore, which
+        # would end this loop early): each one read lets redis-py forget a channel; unread, the
+        # PubSub object kept every call's channel name, ~0.2 KiB a call.
+        while (message := control.get_message(timeout=0)) is not None:
+            if message.get("type") != "message" or message.get("channel") != channel:
                 continue  # a late message for an earlier call of this process
             try:
                 order = json.loads(message["data"])

@@ -148,6 +148,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     """At most once: acked on receipt; a second delivery finds the call no longer queued and stops."""
     ctx, task_id = self.ctx, self.request.id
     control = ctx.control
+    drain_control(control)
     # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
     control.subscribe(keys.control(task_id))
     try:
@@ -160,6 +161,13 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         return {"status": status.value, "result": result}
     finally:
         control.unsubscribe(keys.control(task_id))
+
+
+def drain_control(control: Any) -> None:
+    """Read what earlier calls left on this process's control connection. Reading the unsubscribe
+    confirmations is what makes redis-py forget those channels (unread, it kept one a call)."""
+    while control.get_message(timeout=0) is not None:
+        pass
 
 
 def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any) -> tuple[Status, Any, str]:
