@@ -86,7 +86,7 @@ def submit(rt: Runtime, accepted: Accepted) -> Response:
     existing = rt.idempotency.claim(
         tenant=grant.tenant, key=accepted.key, fp=fp, run_id=grant.run_id, call_id=call.call_id,
         tool_name=call.tool_name, created_ms=int(time.time() * 1000),
-        accepted=(202, accepted_body) if accepted_body else None,
+        accepted=(202, accepted_body) if accepted_body else None, jti=grant.jti,
     )
     if existing is not None:
         return _retry(existing, fp, ids, shell)
@@ -111,8 +111,8 @@ def _enqueue(rt: Runtime, accepted: Accepted) -> None:
 
 def _answer_file(rt: Runtime, accepted: Accepted, ids: dict[str, str]) -> Response:
     """Wait for the worker's own record of the response (not Celery's result backend, which forgets)."""
-    rt.records.wait_done(accepted.task_id, rt.settings.wait_file_result_s)
-    response = rt.records.response(accepted.task_id)
+    ended = rt.records.wait_done(accepted.task_id, rt.settings.wait_file_result_s)
+    response = ended if isinstance(ended, tuple) else rt.records.response(accepted.task_id)
     if response is None:
         return json_response({**ids, "status": Status.QUEUED.value}, 202)
     code, body = response

@@ -19,7 +19,8 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, RateLimited
+from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, RateLimited, Unauthorized
+from shared.tokens import REVOKED
 
 KEY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
 
@@ -44,11 +45,13 @@ def fingerprint(run_id: str, tool_name: str, call_id: str, parameters: dict[str,
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# KEYS: idempotency record, task record, done list, the tenant's rate counter for this second.
+# KEYS: idempotency record, task record, done list, the tenant's rate counter for this second, and
+#       the token's revocation marker if it has a jti.
 # ARGV: fingerprint, task id, ttl ms, tenant, run id, call id, tool name, created ms, accepted code,
 #       accepted body, rate limit per second.
-# The rate check comes first and claims nothing when it refuses, so the retry can succeed.
+# The revocation and rate checks come first and claim nothing when they refuse, so a retry can succeed.
 _CLAIM = """
+if KEYS[5] and redis.call('EXISTS', KEYS[5]) == 1 then return 'revoked' end
 local calls = redis.call('INCR', KEYS[4])
 if calls == 1 then redis.call('EXPIRE', KEYS[4], 2) end
 if calls > tonumber(ARGV[11]) then return 'rate_limited' end
@@ -106,16 +109,21 @@ class Idempotency:
         tool_name: str,
         created_ms: int,
         accepted: tuple[int, bytes] | None = None,
+        jti: str | None = None,
     ) -> Existing | None:
-        """Claim the key and create the task record atomically; None when this request won."""
+        """Claim the key and create the task record atomically; None when this request won.
+        Refuses a revoked token (by its `jti`) and a tenant over its rate, claiming nothing."""
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
+        revoked = [keys.revoked_jti(jti)] if jti is not None else []
         found = self._claim(
             keys=[keys.idempotency(tenant, key), keys.task(task_id), keys.done(task_id),
-                  keys.rate(tenant, created_ms // 1000)],
+                  keys.rate(tenant, created_ms // 1000), *revoked],
             args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body,
                   self.rate_limit_per_s],
         )
+        if found == b"revoked":
+            raise Unauthorized(REVOKED)
         if found == b"rate_limited":
             error = RateLimited(f"More than {self.rate_limit_per_s} tool calls per second for this tenant.")
             error.headers["Retry-After"] = "1"

@@ -47,7 +47,9 @@ local function finish(task_key, lease_key, running_key, log_key, done_key, task_
   end
   redis.call('DEL', lease_key)
   redis.call('ZREM', running_key, task_id)
-  redis.call('RPUSH', done_key, '1')
+  -- A file call's response rides along, so the API waiting for it needs no second round trip (it
+  -- always waits, and pops it at once); a shell call's result stays in the record only.
+  if code ~= '' then redis.call('RPUSH', done_key, code .. ' ' .. body) else redis.call('RPUSH', done_key, '') end
   redis.call('PEXPIRE', done_key, 60000)
   if exit_event ~= '' then
     local seq = 1
@@ -64,8 +66,10 @@ local function terminal(status)
 end
 """
 
-# KEYS: task, lease, running set, log, done. ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
+# KEYS: task, lease, running set, log, done, and optionally a lock the task owns (a patched file's).
+# ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
 _FINISH = _END + """
+if KEYS[6] and redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('DEL', KEYS[6]) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or terminal(status) then return 0 end
 return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
@@ -183,11 +187,13 @@ class Records:
         *,
         response: tuple[int, bytes] | None = None,
         exit_json: str = "",
+        release: str | None = None,
     ) -> bool:
-        """Record the terminal status (first one wins) and complete the idempotency record."""
+        """Record the terminal status (first one wins), complete the idempotency record, and free
+        the lock `release` names if this task holds it."""
         code, body = response if response else ("", b"")
         return bool(self._finish(
-            keys=self._keys(task_id),
+            keys=self._keys(task_id) + ([release] if release else []),
             args=[task_id, status.value, json.dumps(result), now_ms(), self.ttl_ms, code, body, exit_json,
                   self.retention_ms],
         ))
@@ -222,12 +228,15 @@ class Records:
         code, body = self.client.hmget(keys.task(task_id), "code", "body")
         return (int(code), body) if code is not None else None
 
-    def wait_done(self, task_id: str, timeout_s: float) -> bool:
-        """Block until the call has ended (or the timeout); in short BLPOPs, below socket timeouts."""
+    def wait_done(self, task_id: str, timeout_s: float) -> bool | tuple[int, bytes]:
+        """Block until the call has ended (or the timeout); in short BLPOPs, below socket timeouts.
+        A file call's recorded response when it came with the signal, else whether it ended."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            if self.client.blpop([keys.done(task_id)], timeout=max(0.01, min(left, 5.0))) is not None:
-                return True
+            popped = self.client.blpop([keys.done(task_id)], timeout=max(0.01, min(left, 5.0)))
+            if popped is not None:
+                code, _, body = popped[1].partition(b" ")
+                return (int(code), body) if code else True
         return False
 
     def running_since(self, older_than_ms: int) -> list[str]:

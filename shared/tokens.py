@@ -13,6 +13,7 @@ from shared.paths import NAME_RE, path_allowed
 from shared.settings import Settings
 
 REQUIRED_CLAIMS = ("sub", "tenant", "run_id", "scopes", "allowed_paths", "exp", "iat", "aud")
+REVOKED = "The token has been revoked."
 SCOPES = ("files:read", "files:write", "shell:exec", "shell:network")
 MAX_LIST = 256
 MAX_STR = 256

@@ -190,8 +190,18 @@ def test_revoked_jti_is_401(agent) -> None:
         assert_unauthorized(post_read(agent.stack, f"Bearer {agent.token}"), agent.stack.secret)
         shown = agent.get(str(uuid.uuid4()))
         assert shown.status_code == 401  # every route, not only POST
+        # POST checks revocation inside the idempotency claim; what fails before it still says 401
+        key = uuid.uuid4().hex
+        assert_unauthorized(post_read(agent.stack, f"Bearer {agent.token}", key), agent.stack.secret)
+        bad_key = requests.post(f"{agent.stack.base_url}/v1/tool-calls", data=b"{}", timeout=30, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {agent.token}", "Idempotency-Key": "!"})
+        assert_unauthorized(bad_key, agent.stack.secret)
+        forbidden = agent.call("read_file", {"path": "../x"})
+        assert forbidden.status_code == 401, forbidden.text
     finally:
         agent.stack.redis.delete(f"rw:revoked:{jti}")
+    # the refused request claimed nothing: the same key runs once the token is valid again
+    assert post_read(agent.stack, f"Bearer {agent.token}", key).status_code == 404
 
 
 @pytest.mark.parametrize("scopes, tool, parameters, needed", [

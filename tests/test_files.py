@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from shared import keys
 from workers.patching import ZERO_SHA, git_blob_sha
 
 
@@ -234,6 +235,8 @@ def test_two_patches_on_one_base_sha_only_one_applies(agent, tmp_path: Path) -> 
     loser = next(r for r in responses if r.status_code == 412).json()
     assert loser["current_sha"] == winner
     assert git_blob_sha((agent.workspace / "race.txt").read_bytes()) == winner
+    # the finish script freed the file's lock after the 200 and after the 412
+    assert not agent.stack.redis.exists(keys.file_lock(agent.tenant, agent.run_id, "race.txt"))
 
 
 def test_get_returns_the_record(agent) -> None:

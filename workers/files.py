@@ -17,18 +17,15 @@ from workers.patching import ZERO_SHA, git_blob_sha
 LOCK_TIMEOUT_S = 60
 LOCK_WAIT_S = 30
 
-# KEYS: lock. ARGV: owner (task id), ttl ms. Free, or already ours (a redelivery): take it.
+# KEYS: lock, the task's patch intent. ARGV: owner (task id), ttl ms.
+# Free, or already ours (a redelivery): take it, and return the intent an earlier delivery left
+# ('' if none), in the same round trip. The task's finish script releases the lock (records.py).
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) or redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+  return {1, redis.call('GET', KEYS[2]) or ''}
 end
-return 0
-"""
-# KEYS: lock. ARGV: owner. Only the owner releases.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+return {0, ''}
 """
 
 
@@ -46,13 +43,16 @@ def read_file(ws: Path, path: str) -> dict[str, Any]:
 
 
 class PatchApplier:
-    """Applies one patch call; safe to run again for the same task after a redelivery."""
+    """Applies one patch call; safe to run again for the same task after a redelivery.
+
+    The file's lock is owned by the task and left held: the task's finish releases it in the same
+    script that records the outcome (one round trip fewer), whatever the outcome was.
+    """
 
     def __init__(self, client: redis.Redis, intent_ttl_s: int) -> None:
         self.client = client
         self.intent_ttl_s = intent_ttl_s
         self._acquire = client.register_script(_ACQUIRE)
-        self._unlock = client.register_script(_RELEASE)
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
               base_sha: str) -> dict[str, Any]:
@@ -60,32 +60,29 @@ class PatchApplier:
             patch = patching.parse(diff.encode("utf-8", "surrogateescape"))
         except UnicodeEncodeError:
             raise PatchDoesNotApply("The diff is not encodable as UTF-8.") from None
-        lock_key = keys.file_lock(tenant, run_id, path)
-        if not self._lock(lock_key, task_id):
-            raise Unavailable("The file is locked by another patch; retry later.")
-        try:
-            with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
-                return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha)
-        finally:
-            self._unlock(keys=[lock_key], args=[task_id])
+        intent = self._lock(keys.file_lock(tenant, run_id, path), task_id)
+        with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
+            return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha, intent)
 
-    def _lock(self, lock_key: str, task_id: str) -> bool:
-        """Take the file's lock, owned by the task: a redelivery of a task whose worker was killed
-        holding it takes it over at once instead of waiting for it to expire."""
+    def _lock(self, lock_key: str, task_id: str) -> bytes:
+        """Take the file's lock, owned by the task (a redelivery of a task whose worker was killed
+        holding it takes it over at once); returns the task's earlier intent, b'' if none."""
         deadline = time.monotonic() + LOCK_WAIT_S
-        while not self._acquire(keys=[lock_key], args=[task_id, LOCK_TIMEOUT_S * 1000]):
+        while True:
+            taken, intent = self._acquire(keys=[lock_key, keys.patch_intent(task_id)],
+                                          args=[task_id, LOCK_TIMEOUT_S * 1000])
+            if taken:
+                return intent
             if time.monotonic() > deadline:
-                return False
+                raise Unavailable("The file is locked by another patch; retry later.")
             time.sleep(0.005)
-        return True
 
     def _apply_locked(self, dir_fd: int, name: str, task_id: str, path: str,
-                      patch: patching.FilePatch, base_sha: str) -> dict[str, Any]:
+                      patch: patching.FilePatch, base_sha: str, intent: bytes) -> dict[str, Any]:
         current = workspace.read(dir_fd, name)
         current_sha = git_blob_sha(current.data) if current.data is not None else ZERO_SHA
-        redelivered = self._own_earlier_write(task_id, current_sha)
-        if redelivered is not None:
-            return redelivered
+        if intent and (earlier := json.loads(intent))["new_sha"] == current_sha:
+            return earlier  # this task's own write, before its worker died: success, not a 412
         if current_sha != base_sha:
             if current.data is None:
                 raise FileNotFound("No such file in the workspace.", path=path, current_sha=ZERO_SHA)
@@ -106,11 +103,4 @@ class PatchApplier:
         else:
             workspace.replace(dir_fd, name, new_data, current)
         return outcome
-
-    def _own_earlier_write(self, task_id: str, current_sha: str) -> dict[str, Any] | None:
-        raw = self.client.get(keys.patch_intent(task_id))
-        if raw is None:
-            return None
-        outcome = json.loads(raw)
-        return outcome if outcome["new_sha"] == current_sha else None
 

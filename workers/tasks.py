@@ -70,37 +70,42 @@ class RunwardenTask(Task):
             )
         return context
 
-    def file_call(self, call: dict[str, Any], tool: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run a file tool once per call, even when its message is delivered again."""
+    def file_call(self, call: dict[str, Any], tool: Callable[[], dict[str, Any]],
+                  lock: str | None = None) -> dict[str, Any]:
+        """Run a file tool once per call, even when its message is delivered again; `lock`, which
+        the tool may take, is released with the outcome."""
         records, task_id = self.ctx.records, self.request.id
         found, attempts = records.start(task_id, self.ctx.name, reentrant=True)
         if found not in ("running", "cancel"):
             return self._replay(call, found)
         if attempts > MAX_FILE_ATTEMPTS:
             error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
-            return self._record_error(call, error)
+            return self._record_error(call, error, lock)
         try:
             result = tool()
         except RunwardenError as exc:
-            return self._record_error(call, exc)
+            return self._record_error(call, exc, lock)
         except OSError as exc:
             log.exception("file call %s failed", task_id)
-            return self._record_error(call, Unavailable(f"The file system refused: {exc.strerror or type(exc).__name__}."))
+            error = Unavailable(f"The file system refused: {exc.strerror or type(exc).__name__}.")
+            return self._record_error(call, error, lock)
         except Exception:  # a bug must still end the call, never leave it running with its key held
             log.exception("file call %s failed", task_id)
-            return self._record_error(call, InternalError("The call failed unexpectedly; it has been logged."))
+            error = InternalError("The call failed unexpectedly; it has been logged.")
+            return self._record_error(call, error, lock)
         body = _json({"task_id": task_id, "call_id": call["call_id"], "tool_name": call["tool_name"],
                       "status": Status.COMPLETED.value, "result": result})
-        records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()))
+        records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()), release=lock)
         return {"code": 200, "body": body}
 
-    def _record_error(self, call: dict[str, Any], error: RunwardenError) -> dict[str, Any]:
+    def _record_error(self, call: dict[str, Any], error: RunwardenError, lock: str | None) -> dict[str, Any]:
         task_id = self.request.id
         body = _json(error.problem() | {"task_id": task_id, "call_id": call["call_id"],
                                         "tool_name": call["tool_name"]})
         result = {"code": error.code, "message": error.detail,
                   **{k: v for k, v in error.extra.items() if k != "path"}}
-        self.ctx.records.finish(task_id, Status.FAILED, result, response=(error.status, body.encode()))
+        self.ctx.records.finish(task_id, Status.FAILED, result, response=(error.status, body.encode()),
+                                release=lock)
         if error.status >= 500:
             # A server failure is not the call's outcome: free the key so a retry can run it.
             self.ctx.redis.delete(keys.idempotency(call["tenant"], call["idem_key"]))
@@ -139,7 +144,7 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
         p = call["parameters"]
         return self.ctx.patches.apply(ws, call["tenant"], call["run_id"], self.request.id,
                                       p["path"], p["diff"], p["base_sha"])
-    return self.file_call(call, tool)
+    return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], call["parameters"]["path"]))
 
 
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False,

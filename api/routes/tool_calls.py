@@ -7,11 +7,11 @@ import time
 from flask import Blueprint, Response, g, request
 
 from api import dispatch
-from api.auth import authenticate
+from api.auth import authenticate, refuse_if_revoked
 from api.problems import json_response
 from api.runtime import runtime
 from shared import keys
-from shared.errors import NotFound, SchemaInvalid, UnsupportedMediaType
+from shared.errors import NotFound, RunwardenError, SchemaInvalid, UnsupportedMediaType
 from shared.idempotency import parse_key
 from shared.records import TaskView
 from shared.schema import TOOLS, parse_tool_call
@@ -64,10 +64,14 @@ def _body() -> object:
 @bp.post("/v1/tool-calls")
 def create() -> Response:
     _read_body()
-    grant = authenticate()
-    key = parse_key(request.headers.getlist("Idempotency-Key"))
-    g.call_context = {**getattr(g, "call_context", {}), "task_id": keys.task_id_for(grant.tenant, key)}
-    call = dispatch.authorize(parse_tool_call(_body()), grant)
+    grant = authenticate(check_revoked=False)  # the claim checks it, in the same round trip
+    try:
+        key = parse_key(request.headers.getlist("Idempotency-Key"))
+        g.call_context = {**getattr(g, "call_context", {}), "task_id": keys.task_id_for(grant.tenant, key)}
+        call = dispatch.authorize(parse_tool_call(_body()), grant)
+    except RunwardenError:
+        refuse_if_revoked(grant)  # a revoked token is told so first, whatever else is wrong
+        raise
     accepted = dispatch.Accepted(call, grant, key, keys.task_id_for(grant.tenant, key))
     return dispatch.submit(runtime(), accepted)
 
