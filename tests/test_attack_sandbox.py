@@ -50,6 +50,14 @@ def test_no_home_root_or_shadow(agent) -> None:
     assert "root:" not in result["stdout"]
 
 
+def test_host_tls_keys_and_unlisted_etc_files_are_absent(agent) -> None:
+    """/etc is a built copy of a few files: not /etc/ssl/private (0700 host root, which a sandbox
+    started by a root bwrap would own from inside), nor the host's hostname, shadow or machine-id."""
+    result = run(agent, "for f in /etc/ssl/private /etc/shadow /etc/hostname /etc/machine-id /etc/ssh; do "
+                        "test -e $f && echo FOUND $f; done; test -r /etc/ld.so.cache && echo ld-ok; echo end")
+    assert result["stdout"] == "ld-ok\nend\n", result
+
+
 def test_passwd_is_the_sandboxs_own(agent) -> None:
     result = run(agent, "cat /etc/passwd; id -un")
     users = {line.split(":")[0] for line in result["stdout"].splitlines() if ":" in line}
