@@ -29,6 +29,7 @@ import websocket
 from bench import floor_sandbox, profile, report, stack as stack_mod
 from bench.client import Agent, BenchError, Http, read_stream
 from bench.stats import slope, summary
+from workers import workspace
 from shared import keys
 
 MIB = 1024 * 1024
@@ -59,12 +60,12 @@ class Mode:
 # by a ~2 s stall of the API's event loop (see docs/PERFORMANCE.md), which makes each one expensive.
 PER_ROUND_FULL = {
     "floor.celery_ping_http": 100, "floor.celery_ping_direct": 40, "floor.subprocess_true": 40,
-    "floor.bwrap_true": 40, "part.bwrap_true_cgroup": 20, "rw.read_file": 100, "rw.apply_file_patch": 100,
+    "floor.bwrap_true": 40, "part.bwrap_true_cgroup": 20, "part.atomic_replace": 40, "rw.read_file": 100, "rw.apply_file_patch": 100,
     "rw.idempotent_replay": 100, "rw.shell_true_wait": 40, "rw.shell_true_ws": 10, "rw.echo_first_output": 10,
 }
 PER_ROUND_QUICK = {
     "floor.celery_ping_http": 30, "floor.celery_ping_direct": 10, "floor.subprocess_true": 10,
-    "floor.bwrap_true": 12, "part.bwrap_true_cgroup": 6, "rw.read_file": 30, "rw.apply_file_patch": 30,
+    "floor.bwrap_true": 12, "part.bwrap_true_cgroup": 6, "part.atomic_replace": 12, "rw.read_file": 30, "rw.apply_file_patch": 30,
     "rw.idempotent_replay": 30, "rw.shell_true_wait": 12, "rw.shell_true_ws": 4, "rw.echo_first_output": 4,
 }
 FULL = Mode("full", rounds=4, per_round=PER_ROUND_FULL, warmup=20, throughput_slices=2, throughput_slice_s=5.0,
@@ -80,6 +81,7 @@ LABELS = {
     "floor.subprocess_true": "`subprocess.run([\"true\"])`",
     "floor.bwrap_true": "`bwrap … true` (BwrapRunner argv, rlimits, uid drop)",
     "part.bwrap_true_cgroup": "runwarden's spawn path: the same `bwrap … true` in a per-call cgroup",
+    "part.atomic_replace": "a patch's durable write alone: temp file, fsync, rename (30 bytes, workspaces disk)",
     "rw.read_file": "read_file, POST → 200",
     "rw.apply_file_patch": "apply_file_patch, POST → 200",
     "rw.idempotent_replay": "idempotent replay (same key again) → 200",
@@ -177,6 +179,19 @@ class Bench:
             raise BenchError(f"bwrap true (cgroup) exited {code}")
         return elapsed
 
+    def op_replace(self) -> float:
+        """workspace.replace, as the patch applier calls it, on the disk the workspaces are on."""
+        directory = self.s.root / "replace"
+        directory.mkdir(exist_ok=True)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            current = workspace.read(fd, "f.txt")
+            t0 = time.perf_counter()
+            workspace.replace(fd, "f.txt", patch_content(self.calls), current)
+            return time.perf_counter() - t0
+        finally:
+            os.close(fd)
+
     def op_read(self, http: Http | None = None) -> float:
         body, headers = self.agent.request("read_file", {"path": READ_PATH})
         t0 = time.perf_counter()
@@ -257,7 +272,7 @@ class Bench:
     OPS: dict[str, str] = {
         "floor.celery_ping_http": "op_ping_http", "floor.celery_ping_direct": "op_ping_direct",
         "floor.subprocess_true": "op_subprocess", "floor.bwrap_true": "op_bwrap",
-        "part.bwrap_true_cgroup": "op_bwrap_cgroup", "rw.read_file": "op_read",
+        "part.bwrap_true_cgroup": "op_bwrap_cgroup", "part.atomic_replace": "op_replace", "rw.read_file": "op_read",
         "rw.apply_file_patch": "op_patch", "rw.idempotent_replay": "op_replay",
         "rw.shell_true_wait": "op_shell_wait", "rw.shell_true_ws": "op_shell_ws",
         "rw.echo_first_output": "op_echo_first",
