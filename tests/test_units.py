@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import base64
 import json
+import resource
+import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,7 @@ from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, SchemaIn
 from shared.idempotency import parse_key
 from shared.schema import parse_tool_call
 from shared.settings import Settings, SettingsError
+from workers import sandbox
 from workers.relay import Utf8Cutter, incomplete_tail, output_event
 from workers.shell import signal_name
 
@@ -119,3 +123,24 @@ def test_output_event_text_or_base64() -> None:
                                        (255, None)])
 def test_signal_name(code: int, name: str | None) -> None:
     assert signal_name(code) == name
+
+
+def test_sandbox_etc_is_built_once_without_host_keys(tmp_path: Path) -> None:
+    first = sandbox.build_etc(tmp_path / "etc")
+    assert sandbox.build_etc(tmp_path / "etc") == first  # same content, same directory, not rebuilt
+    assert sorted(p.name for p in (tmp_path / "etc").iterdir()) == [first.name]  # no staging left
+    assert (first / "passwd").read_text().startswith("sandbox:x:1000:1000:")
+    assert (first / "resolv.conf").read_text() == ""  # a placeholder shell:network binds over
+    assert not (first / "ssl" / "private").exists()
+    assert not (first / "shadow").exists()
+
+
+def test_limits_prelude_sets_hard_limits_no_higher_than_ours() -> None:
+    hard_files = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    prelude = sandbox.limits_prelude(sandbox.Limits(2 << 30, 64, 1 << 20, 10**9), processes=64)
+    expected_files = 10**9 if hard_files == resource.RLIM_INFINITY else min(10**9, hard_files)
+    assert prelude.startswith(f"ulimit -H -S -v {2 << 20} -u 64 -f 1024 -n {expected_files} -c 0 || exit 126; ")
+    assert prelude.endswith('exec /bin/bash -c "$1"')
+    out = subprocess.run(["/bin/bash", "-c", sandbox.limits_prelude(sandbox.Limits(2 << 30, 64, 1 << 20, 512), 64),
+                          "/bin/bash", 'ulimit -Hn; ulimit -Sv; echo "$0"'], capture_output=True, text=True, check=True)
+    assert out.stdout == f"512\n{2 << 20}\n/bin/bash\n"
