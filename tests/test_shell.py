@@ -271,7 +271,9 @@ def test_control_connection_forgets_each_calls_channel(stack) -> None:
             drain_control(control)
             control.subscribe(f"rw:control:test-{n}")
             control.unsubscribe(f"rw:control:test-{n}")
-        drain_control(control)
+        for _ in range(50):  # what has arrived by now; a loaded Redis may still be confirming the last ones
+            drain_control(control)
+            time.sleep(0.02)
         assert len(control.channels) <= 1 and len(control.pending_unsubscribe_channels) <= 1, (
             len(control.channels), len(control.pending_unsubscribe_channels))
     finally:
