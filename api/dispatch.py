@@ -20,6 +20,7 @@ from shared import commands, paths
 from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
 from shared.idempotency import Existing, fingerprint
 from shared.keys import Status
+from shared.records import Ended
 from shared.schema import ToolCall
 from shared.tokens import Grant
 
@@ -92,7 +93,7 @@ def submit(rt: Runtime, accepted: Accepted) -> Response:
         return _retry(existing, fp, ids, shell)
     _enqueue(rt, accepted)
     if shell:
-        return _answer_shell(rt, accepted, accepted_body or b"")
+        return _answer_shell(rt, accepted, ids, accepted_body or b"")
     return _answer_file(rt, accepted, ids)
 
 
@@ -112,23 +113,25 @@ def _enqueue(rt: Runtime, accepted: Accepted) -> None:
 def _answer_file(rt: Runtime, accepted: Accepted, ids: dict[str, str]) -> Response:
     """Wait for the worker's own record of the response (not Celery's result backend, which forgets)."""
     ended = rt.records.wait_done(accepted.task_id, rt.settings.wait_file_result_s)
-    response = ended if isinstance(ended, tuple) else rt.records.response(accepted.task_id)
+    response = ended.response if ended and ended.response else rt.records.response(accepted.task_id)
     if response is None:
         return json_response({**ids, "status": Status.QUEUED.value}, 202)
     code, body = response
     return json_response(body, code, PROBLEM_JSON if code >= 400 else "application/json")
 
 
-def _answer_shell(rt: Runtime, accepted: Accepted, accepted_body: bytes) -> Response:
+def _answer_shell(rt: Runtime, accepted: Accepted, ids: dict[str, str], accepted_body: bytes) -> Response:
     wait_s = prefer_wait()
-    if wait_s and rt.records.wait_done(accepted.task_id, wait_s):
+    ended = rt.records.wait_done(accepted.task_id, wait_s) if wait_s else None
+    if ended is not None and ended.status is None:  # its result was too large to ride along
         view = rt.records.get(accepted.task_id)
-        if view is not None and view.status.terminal:
-            body = json.dumps({**view.public(), "stream_url": stream_url(accepted.task_id)},
-                              ensure_ascii=False, separators=(",", ":")).encode()
-            rt.idempotency.record_response(accepted.grant.tenant, accepted.key, 200, body)
-            return json_response(body, 200, headers={"Preference-Applied": f"wait={wait_s}"})
-    return json_response(accepted_body, 202)
+        ended = Ended(status=view.status, result=view.result) if view and view.status.terminal else None
+    if ended is None or ended.status is None:
+        return json_response(accepted_body, 202)
+    body = json.dumps({**ids, "status": ended.status.value, "result": ended.result,  # as GET shows it
+                       "stream_url": stream_url(accepted.task_id)}, ensure_ascii=False, separators=(",", ":"))
+    rt.idempotency.record_response(accepted.grant.tenant, accepted.key, 200, body.encode())
+    return json_response(body.encode(), 200, headers={"Preference-Applied": f"wait={wait_s}"})
 
 
 def _retry(existing: Existing, fp: str, ids: dict[str, str], shell: bool) -> Response:

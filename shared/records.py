@@ -47,9 +47,12 @@ local function finish(task_key, lease_key, running_key, log_key, done_key, task_
   end
   redis.call('DEL', lease_key)
   redis.call('ZREM', running_key, task_id)
-  -- A file call's response rides along, so the API waiting for it needs no second round trip (it
-  -- always waits, and pops it at once); a shell call's result stays in the record only.
-  if code ~= '' then redis.call('RPUSH', done_key, code .. ' ' .. body) else redis.call('RPUSH', done_key, '') end
+  -- What the waiting API answers with rides along, so it needs no second round trip: a file call's
+  -- response, or a shell call's status and result if small (no one may pop it: it expires).
+  local signal = ''
+  if code ~= '' then signal = code .. ' ' .. body
+  elseif string.len(result) <= 65536 then signal = new_status .. ' ' .. result end
+  redis.call('RPUSH', done_key, signal)
   redis.call('PEXPIRE', done_key, 60000)
   if exit_event ~= '' then
     local seq = 1
@@ -134,6 +137,25 @@ class TaskView:
             "status": self.status.value,
             "result": self.result,
         }
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What a call's done signal carried: a file call's recorded response, or a shell call's status
+    and result (when small); with neither, the task record has them."""
+
+    response: tuple[int, bytes] | None = None
+    status: Status | None = None
+    result: Any = None
+
+    @classmethod
+    def parse(cls, signal: bytes) -> Ended:
+        head, _, rest = signal.partition(b" ")
+        if head.isdigit():
+            return cls(response=(int(head), rest))
+        if head:
+            return cls(status=Status(head.decode()), result=json.loads(rest))
+        return cls()
 
 
 class Records:
@@ -228,16 +250,14 @@ class Records:
         code, body = self.client.hmget(keys.task(task_id), "code", "body")
         return (int(code), body) if code is not None else None
 
-    def wait_done(self, task_id: str, timeout_s: float) -> bool | tuple[int, bytes]:
-        """Block until the call has ended (or the timeout); in short BLPOPs, below socket timeouts.
-        A file call's recorded response when it came with the signal, else whether it ended."""
+    def wait_done(self, task_id: str, timeout_s: float) -> Ended | None:
+        """Block until the call has ended (None at the timeout); in short BLPOPs, below socket timeouts."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             popped = self.client.blpop([keys.done(task_id)], timeout=max(0.01, min(left, 5.0)))
             if popped is not None:
-                code, _, body = popped[1].partition(b" ")
-                return (int(code), body) if code else True
-        return False
+                return Ended.parse(popped[1])
+        return None
 
     def running_since(self, older_than_ms: int) -> list[str]:
         return [t.decode() for t in self.client.zrangebyscore(keys.RUNNING_SET, 0, older_than_ms)]

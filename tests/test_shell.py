@@ -8,6 +8,7 @@ import json
 import os
 import re
 import time
+import uuid
 
 import pytest
 import redis
@@ -186,6 +187,21 @@ def test_exit_event_result_for_finished_shell(agent) -> None:
     assert exit_event["stdout_bytes"] == 3
     result = finished(agent, task_id)["result"]
     assert result["stdout"] == "abc" and result["stdout_bytes"] == 3 and result["stderr_bytes"] == 0
+
+
+@pytest.mark.parametrize("size", [3, 200_000])  # a result that rides the done signal, and one too large to
+def test_prefer_wait_answer_is_what_get_shows_and_what_a_retry_replays(agent, size: int) -> None:
+    key = uuid.uuid4().hex
+    body = {"tool_name": "execute_shell_command", "call_id": str(uuid.uuid4()),
+            "parameters": {"command": f"head -c {size} /dev/zero | tr '\\0' a"}}
+    post = lambda: agent.http.post(f"{agent.stack.base_url}/v1/tool-calls", data=json.dumps(body),  # noqa: E731
+                                   headers=agent.headers(key, Prefer="wait=30"), timeout=60)
+    answer = post()
+    assert answer.status_code == 200 and answer.headers["Preference-Applied"] == "wait=30", answer.text
+    assert answer.json()["result"]["stdout"] == "a" * size
+    assert agent.get(answer.json()["task_id"]).content == answer.content
+    replay = post()
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.content == answer.content
 
 
 def test_cwd_inside_workspace(agent) -> None:

@@ -5,6 +5,7 @@ import base64
 import json
 import resource
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -144,3 +145,18 @@ def test_limits_prelude_sets_hard_limits_no_higher_than_ours() -> None:
     out = subprocess.run(["/bin/bash", "-c", sandbox.limits_prelude(sandbox.Limits(2 << 30, 64, 1 << 20, 512), 64),
                           "/bin/bash", 'ulimit -Hn; ulimit -Sv; echo "$0"'], capture_output=True, text=True, check=True)
     assert out.stdout == f"512\n{2 << 20}\n/bin/bash\n"
+
+
+def test_a_verified_token_still_expires_and_stays_bound_to_its_key() -> None:
+    from shared import tokens
+    from shared.errors import TokenExpired, Unauthorized
+    settings = Settings.from_env({"RUNWARDEN_JWT_SECRET": "s" * 48, "RUNWARDEN_REDIS_URL": "redis://localhost:1/0"})
+    token = tokens.mint(b"s" * 48, tenant="t", run_id="r", sub="a", scopes=["files:read"], paths=["**"], ttl_s=2)
+    assert tokens.verify(token, settings).tenant == "t"
+    assert tokens.verify(token, settings).tenant == "t"  # the second time from the cache
+    rotated = Settings.from_env({"RUNWARDEN_JWT_SECRET": "k" * 48, "RUNWARDEN_REDIS_URL": "redis://localhost:1/0"})
+    with pytest.raises(Unauthorized):
+        tokens.verify(token, rotated)  # another key: decoded again, and refused
+    time.sleep(max(0.0, tokens.verify(token, settings).exp - time.time()) + 0.05)
+    with pytest.raises(TokenExpired):
+        tokens.verify(token, settings)
