@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import resource
+import shutil
 import subprocess
 import time
 import uuid
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from shared import devstack
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, SchemaInvalid
 from shared.idempotency import parse_key
 from shared.schema import parse_tool_call
@@ -160,3 +163,27 @@ def test_a_verified_token_still_expires_and_stays_bound_to_its_key() -> None:
     time.sleep(max(0.0, tokens.verify(token, settings).exp - time.time()) + 0.05)
     with pytest.raises(TokenExpired):
         tokens.verify(token, settings)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop only happens when the worker is root")
+@pytest.mark.parametrize("with_setpriv", [True, False])
+def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bool) -> None:
+    """setpriv's exec is the fast path; without it, subprocess drops the uid itself (a fork)."""
+    root = devstack.reachable_dir("rw-uid-")
+    try:
+        workspace = root / "ws"
+        workspace.mkdir()
+        os.chown(workspace, 65534, 65534)
+        bwrap = sandbox.find_bwrap()
+        assert bwrap is not None
+        runner = sandbox.BwrapRunner(bwrap, sandbox.Limits(1 << 30, 64, 1 << 20, 256), 65534,
+                                     sandbox.build_etc(root / "etc"), None, sandbox.bwrap_features(bwrap),
+                                     shutil.which("setpriv") if with_setpriv else None)
+        if with_setpriv and runner.setpriv is None:
+            pytest.skip("no setpriv on this machine")
+        process = runner.spawn("touch made; ulimit -n", workspace, "", False)
+        out, err = process.popen.communicate(timeout=20)
+        assert (process.popen.returncode, out) == (0, b"256\n"), err
+        assert (workspace / "made").stat().st_uid == 65534
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
