@@ -119,7 +119,8 @@ def _swallow(signum: int, frame: object) -> None:
 
 def let_commands_start_with_default_signals() -> None:
     """Swap this process's SIG_IGN dispositions for a do-nothing handler, so every command spawned
-    from it starts with default signal dispositions without code between fork and exec."""
+    from it starts with default signal dispositions without code between fork and exec. (The signal
+    mask is inherited as it is: Celery's pool processes block nothing.)"""
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread may set handlers; pool processes spawn from it
     for signum in _RESET_SIGNALS:
@@ -169,6 +170,10 @@ class BwrapRunner:
         self.cgroups = cgroups
         self.host_uid = host_uid  # the unprivileged uid to become when the worker is root
         self.setpriv = setpriv  # util-linux setpriv, which makes that uid drop an exec instead of a fork
+        # setpriv execs its argv as given, so the sandbox's /proc/1/cmdline shows bwrap's path,
+        # unless bwrap is on the default search path (a distribution's /usr/bin/bwrap).
+        on_default_path = shutil.which("bwrap", path=os.confstr("CS_PATH")) == bwrap
+        self._setpriv_bwrap = "bwrap" if on_default_path else bwrap
         self.etc_dir = etc_dir
         self._system = self._system_options()
         # With a cgroup bounding the tree, NPROC (counted over the whole uid) is only a backstop.
@@ -221,7 +226,7 @@ class BwrapRunner:
         os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
         os.lseek(options, 0, os.SEEK_SET)
         try:
-            popen = self._popen([*argv[split:]], options, [info_write, options, block_read])
+            popen = self._popen(argv[split:], options, [info_write, options, block_read])
         except BaseException:
             _close(info_read, block_write)
             raise
@@ -256,11 +261,8 @@ class BwrapRunner:
         executable, drop = self.bwrap, {}
         if self.host_uid is not None and self.setpriv:
             uid = str(self.host_uid)
-            # setpriv execs its argv as given, so the sandbox's /proc/1/cmdline shows bwrap's path,
-            # unless bwrap is on the default search path (a distribution's /usr/bin/bwrap).
-            on_default_path = shutil.which("bwrap", path=os.confstr("CS_PATH")) == self.bwrap
-            bwrap[0] = "bwrap" if on_default_path else self.bwrap
-            bwrap = [self.setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *bwrap]
+            bwrap = [self.setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", self._setpriv_bwrap,
+                     *bwrap[1:]]
             executable = self.setpriv
         elif self.host_uid is not None:  # no setpriv: the same drop, by subprocess, at the price of a fork
             drop = {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
