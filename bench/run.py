@@ -155,29 +155,24 @@ class Bench:
         self.count()
         return elapsed
 
-    def op_subprocess(self) -> float:
+    @staticmethod
+    def _timed_exit(spawn: Callable[[], int], what: str) -> float:
+        """Seconds one spawn-and-wait took; a non-zero exit is an error, not a sample."""
         t0 = time.perf_counter()
-        code = floor_sandbox.bare_true()
+        code = spawn()
         elapsed = time.perf_counter() - t0
         if code != 0:
-            raise BenchError(f"true exited {code}")
+            raise BenchError(f"{what} exited {code}")
         return elapsed
+
+    def op_subprocess(self) -> float:
+        return self._timed_exit(floor_sandbox.bare_true, "true")
 
     def op_bwrap(self) -> float:
-        t0 = time.perf_counter()
-        code = floor_sandbox.spawn_true(self.sandbox)
-        elapsed = time.perf_counter() - t0
-        if code != 0:
-            raise BenchError(f"bwrap true exited {code}")
-        return elapsed
+        return self._timed_exit(lambda: floor_sandbox.spawn_true(self.sandbox), "bwrap true")
 
     def op_bwrap_cgroup(self) -> float:
-        t0 = time.perf_counter()
-        code = floor_sandbox.spawn_true(self.sandbox, cgroup=True)
-        elapsed = time.perf_counter() - t0
-        if code != 0:
-            raise BenchError(f"bwrap true (cgroup) exited {code}")
-        return elapsed
+        return self._timed_exit(lambda: floor_sandbox.spawn_true(self.sandbox, cgroup=True), "bwrap true (cgroup)")
 
     def op_replace(self) -> float:
         """workspace.replace, as the patch applier calls it, on the disk the workspaces are on."""
@@ -517,7 +512,7 @@ class Bench:
         whether the API still answers meanwhile, then cancel them all (retrying 503s) and close."""
         pid = stack_mod.api_worker_pid(self.s)
         time.sleep(1)
-        before, threads_before = stack_mod.rss_kib(pid), _threads(pid)
+        before, threads_before = stack_mod.rss_kib(pid), stack_mod.status_field(pid, "Threads")
         opened: list[tuple[str, websocket.WebSocket]] = []
         open_failures: list[str] = []
         probes: dict[str, int] = {}
@@ -531,7 +526,7 @@ class Bench:
                     open_failures.append(f"{type(exc).__name__}: {exc}"[:200])
             self.count(len(opened))
             time.sleep(2)
-            during, threads_during = stack_mod.rss_kib(pid), _threads(pid)
+            during, threads_during = stack_mod.rss_kib(pid), stack_mod.status_field(pid, "Threads")
             # Does the API still serve other clients while the streams are open? An idempotent replay
             # needs only the API and Redis (no worker), so it isolates the API's own capacity.
             assert self.replay is not None
@@ -654,14 +649,6 @@ class Bench:
         log(f"  soak: {soak_calls} calls in {soak_s:.0f} s; worker RSS "
             f"{sum(start_rss.values()) / 1024:.1f} MiB at start → {sum(end.values()) / 1024:.1f} MiB after "
             f"{self.calls - start_calls} calls; second-half slope {growth_per_k:+.1f} KiB/1000 calls")
-
-
-def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return 0
 
 
 def log(message: str) -> None:

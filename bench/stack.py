@@ -158,12 +158,17 @@ def same_program_children(pid: int) -> list[int]:
     return sorted(kids)
 
 
-def rss_kib(pid: int) -> int:
+def status_field(pid: int, name: str) -> int:
+    """A number from /proc/<pid>/status (`VmRSS` in KiB, `Threads`), 0 if absent."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1])
     return 0
+
+
+def rss_kib(pid: int) -> int:
+    return status_field(pid, "VmRSS")
 
 
 def api_worker_pid(bench: BenchStack) -> int:
