@@ -187,3 +187,12 @@ def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bo
         assert (workspace / "made").stat().st_uid == 65534
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_stream_copy_counts_the_bytes_its_cutter_holds_back() -> None:
+    """The output cap is measured in kept bytes: a character's start held back at the cap must count,
+    or flushing it at the cut would keep up to 3 bytes more than the cap."""
+    from workers.relay import StreamCopy
+    copy = StreamCopy("stdout", 1024)
+    copy.take(copy.cutter.feed(b"ab\xe2\x82"))  # "ab" and the first two bytes of "€"
+    assert (copy.size, copy.kept) == (2, 4)

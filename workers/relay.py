@@ -69,6 +69,11 @@ class StreamCopy:
         self.head = bytearray()
         self.http_limit = http_limit
 
+    @property
+    def kept(self) -> int:
+        """Bytes taken so far plus those the cutter holds back (an incomplete character's start)."""
+        return self.size + len(self.cutter.pending)
+
     def take(self, piece: bytes) -> None:
         self.size += len(piece)
         self.sha.update(piece)

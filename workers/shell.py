@@ -158,7 +158,7 @@ class ShellCall:
             return False
         if run.truncated:
             return True  # draining a killed command; nothing more is emitted
-        room = self.settings.output_cap_bytes - sum(s.size for s in run.streams.values())
+        room = self.settings.output_cap_bytes - sum(s.kept for s in run.streams.values())
         if len(data) >= room:
             data = data[:room]
             run.truncated = True
