@@ -16,11 +16,31 @@ import redis
 from shared import keys
 from shared.keys import Status
 
-# KEYS: task, lease, running set. ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks).
-_START = """
+LOCK_TTL_MS = 60_000  # a file lock a task holds; a dead worker's lock is taken over or expires
+
+# A lock owned by a task: free, or already this task's (a redelivery takes over the lock its killed
+# worker held) → taken, and the task's patch intent returned ('' if none); another task's → false.
+TAKE_LOCK = """
+local function take_lock(lock_key, intent_key, owner, ttl_ms)
+  if redis.call('SET', lock_key, owner, 'NX', 'PX', ttl_ms) or redis.call('GET', lock_key) == owner then
+    redis.call('PEXPIRE', lock_key, ttl_ms)
+    return redis.call('GET', intent_key) or ''
+  end
+  return false
+end
+"""
+
+# KEYS: task, lease, running set, and optionally a file lock and the task's patch intent.
+# ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks), lock ttl ms.
+# A call that may run also gets its lock, if it names one, in the same round trip.
+_START = TAKE_LOCK + """
+local function may_run(state)
+  if KEYS[4] then return {state, take_lock(KEYS[4], KEYS[5], ARGV[4], ARGV[6])} end
+  return {state}
+end
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'missing' end
-if status ~= 'queued' and not (ARGV[5] == '1' and status == 'running') then return status end
+if not status then return {'missing'} end
+if status ~= 'queued' and not (ARGV[5] == '1' and status == 'running') then return {status} end
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_ms', ARGV[2], 'worker', ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 if ARGV[5] ~= '1' then
@@ -28,8 +48,8 @@ if ARGV[5] ~= '1' then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
   redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 end
-if redis.call('HGET', KEYS[1], 'cancel') then return 'cancel' end
-return 'running:' .. redis.call('HGET', KEYS[1], 'attempts')
+if redis.call('HGET', KEYS[1], 'cancel') then return may_run('cancel') end
+return may_run('running:' .. redis.call('HGET', KEYS[1], 'attempts'))
 """
 
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
@@ -158,6 +178,17 @@ class Ended:
         return cls()
 
 
+@dataclass(frozen=True)
+class Started:
+    """What starting a call found: `status` is "running" (with the deliveries so far), "cancel" if a
+    cancel was flagged, or the status it may not start from. `intent` is set only when the lock
+    named was taken: the task's earlier patch intent, b"" if none."""
+
+    status: str
+    attempts: int = 0
+    intent: bytes | None = None
+
+
 class Records:
     def __init__(self, client: redis.Redis, *, ttl_s: int, retention_s: int, lease_s: int) -> None:
         self.client = client
@@ -188,15 +219,14 @@ class Records:
             cancel_requested="cancel" in text,
         )
 
-    def start(self, task_id: str, worker: str, *, reentrant: bool = False) -> tuple[str, int]:
-        """queued → running: ("running", deliveries so far). Otherwise the status found, which the
-        call may not start from ("cancel" if a cancel was flagged)."""
-        found = self._start(
-            keys=self._keys(task_id)[:3],
-            args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0"],
-        ).decode()
-        status, _, attempts = found.partition(":")
-        return status, int(attempts or 0)
+    def start(self, task_id: str, worker: str, *, reentrant: bool = False, lock: str | None = None) -> Started:
+        """queued → running (or, reentrant, running again), taking the file lock `lock` if named."""
+        reply = self._start(
+            keys=self._keys(task_id)[:3] + ([lock, keys.patch_intent(task_id)] if lock else []),
+            args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS],
+        )
+        status, _, attempts = reply[0].decode().partition(":")
+        return Started(status, int(attempts or 0), reply[1] if len(reply) > 1 else None)
 
     def refresh_lease(self, task_id: str, worker: str) -> None:
         self.client.set(keys.lease(task_id), worker, px=self.lease_ms)

@@ -178,6 +178,8 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
 
     wait_until(writing, 30, "the worker to start writing its temp file", 0.0005)
     if moment == "after_replace":
+        # The intent is sent before the temp file is written, its reply read before the rename.
+        wait_until(lambda: pair.redis.exists(keys.patch_intent(task_id)), 4, "the intent", 0.0005)
         pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
         try:
             wait_until(lambda: git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha, 4,

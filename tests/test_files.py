@@ -5,13 +5,16 @@ import base64
 import concurrent.futures
 import json
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 
 from shared import keys
+from workers.files import PatchApplier
 from workers.patching import ZERO_SHA, git_blob_sha
 
 
@@ -237,6 +240,55 @@ def test_two_patches_on_one_base_sha_only_one_applies(agent, tmp_path: Path) -> 
     assert git_blob_sha((agent.workspace / "race.txt").read_bytes()) == winner
     # the finish script freed the file's lock after the 200 and after the 412
     assert not agent.stack.redis.exists(keys.file_lock(agent.tenant, agent.run_id, "race.txt"))
+
+
+def test_patch_waits_for_a_lock_another_task_holds(agent, tmp_path: Path) -> None:
+    """The start script finds the lock taken, so the patch waits for it, then applies."""
+    sha = agent.write("held.txt", b"old\n")
+    lock = keys.file_lock(agent.tenant, agent.run_id, "held.txt")
+    agent.stack.redis.set(lock, "another-task", px=30_000)
+    params = {"path": "held.txt", "base_sha": sha, "diff": git_diff(tmp_path, b"old\n", b"new\n", "held.txt")}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(agent.call, "apply_file_patch", params)
+        time.sleep(0.5)
+        assert not pending.done()
+        assert (agent.workspace / "held.txt").read_bytes() == b"old\n"
+        assert agent.stack.redis.get(lock) == b"another-task"
+        agent.stack.redis.delete(lock)
+        response = pending.result(timeout=30)
+    assert response.status_code == 200, response.text
+    assert (agent.workspace / "held.txt").read_bytes() == b"new\n"
+    assert not agent.stack.redis.exists(lock)
+
+
+def test_patch_intent_is_set_even_if_its_connection_dies_unread(stack) -> None:
+    """The intent SET is sent early and its reply read late; if the connection is lost meanwhile
+    (here: killed while Redis holds writes), it is sent again and the connection is not reused."""
+    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60)
+    key = f"rw:test:intent:{uuid.uuid4()}"
+    connection_id = applier.client.client_id()  # the pool's one connection, which _setting reuses
+    stack.redis.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+    try:
+        with applier._setting(key, "the intent") as confirmed:
+            assert stack.redis.client_kill_filter(_id=connection_id) == 1
+            stack.redis.execute_command("CLIENT", "UNPAUSE")
+            confirmed()
+    finally:
+        stack.redis.execute_command("CLIENT", "UNPAUSE")
+    assert stack.redis.get(key) == b"the intent"
+    assert 0 < stack.redis.ttl(key) <= 60
+    assert applier.client.client_id() != connection_id  # the pool still serves, on a new connection
+
+
+def test_patch_intent_reply_never_reaches_the_next_command(stack) -> None:
+    """A write that fails between sending the intent and reading its reply leaves that reply
+    unread: the connection is dropped, never handed to the next command with a stale reply."""
+    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60)
+    other = f"rw:test:other:{uuid.uuid4()}"
+    stack.redis.set(other, "its own value")
+    with pytest.raises(OSError), applier._setting(f"rw:test:intent:{uuid.uuid4()}", "x"):
+        raise OSError("the disk refused")
+    assert applier.client.get(other) == b"its own value"
 
 
 def test_get_returns_the_record(agent) -> None:

@@ -4,29 +4,23 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from shared import keys
+from shared import keys, records
 from shared.errors import BaseShaMismatch, FileNotFound, PatchDoesNotApply, Unavailable
 from workers import patching, workspace
 from workers.patching import ZERO_SHA, git_blob_sha
 
-LOCK_TIMEOUT_S = 60
 LOCK_WAIT_S = 30
 
-# KEYS: lock, the task's patch intent. ARGV: owner (task id), ttl ms.
-# Free, or already ours (a redelivery): take it, and return the intent an earlier delivery left
-# ('' if none), in the same round trip. The task's finish script releases the lock (records.py).
-_ACQUIRE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) or redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, redis.call('GET', KEYS[2]) or ''}
-end
-return {0, ''}
-"""
+# KEYS: lock, the task's patch intent. ARGV: owner (task id), ttl ms. The task's finish script
+# releases the lock (records.py).
+_ACQUIRE = records.TAKE_LOCK + "return take_lock(KEYS[1], KEYS[2], ARGV[1], ARGV[2])"
 
 
 def read_file(ws: Path, path: str) -> dict[str, Any]:
@@ -45,8 +39,8 @@ def read_file(ws: Path, path: str) -> dict[str, Any]:
 class PatchApplier:
     """Applies one patch call; safe to run again for the same task after a redelivery.
 
-    The file's lock is owned by the task and left held: the task's finish releases it in the same
-    script that records the outcome (one round trip fewer), whatever the outcome was.
+    The file's lock is owned by the task: taken by the call's start script when free (else waited
+    for here), and released by its finish script with the outcome, whatever it was.
     """
 
     def __init__(self, client: redis.Redis, intent_ttl_s: int) -> None:
@@ -55,27 +49,26 @@ class PatchApplier:
         self._acquire = client.register_script(_ACQUIRE)
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
-              base_sha: str) -> dict[str, Any]:
+              base_sha: str, held: bytes | None) -> dict[str, Any]:
+        """`held`: the task's earlier intent if the call's start took the file's lock (b"" if
+        none), None if the lock is still to be taken."""
         try:
             patch = patching.parse(diff.encode("utf-8", "surrogateescape"))
         except UnicodeEncodeError:
             raise PatchDoesNotApply("The diff is not encodable as UTF-8.") from None
-        intent = self._lock(keys.file_lock(tenant, run_id, path), task_id)
+        intent = held if held is not None else self._lock(keys.file_lock(tenant, run_id, path), task_id)
         with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
             return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha, intent)
 
     def _lock(self, lock_key: str, task_id: str) -> bytes:
-        """Take the file's lock, owned by the task (a redelivery of a task whose worker was killed
-        holding it takes it over at once); returns the task's earlier intent, b'' if none."""
+        """Wait for the file's lock, owned by the task; returns the task's earlier intent, b'' if none."""
         deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            taken, intent = self._acquire(keys=[lock_key, keys.patch_intent(task_id)],
-                                          args=[task_id, LOCK_TIMEOUT_S * 1000])
-            if taken:
-                return intent
+        while (intent := self._acquire(keys=[lock_key, keys.patch_intent(task_id)],
+                                       args=[task_id, records.LOCK_TTL_MS])) is None:
             if time.monotonic() > deadline:
                 raise Unavailable("The file is locked by another patch; retry later.")
             time.sleep(0.005)
+        return intent
 
     def _apply_locked(self, dir_fd: int, name: str, task_id: str, path: str,
                       patch: patching.FilePatch, base_sha: str, intent: bytes) -> dict[str, Any]:
@@ -95,12 +88,44 @@ class PatchApplier:
             "created": current.data is None,
             "deleted": patch.deletes,
         }
-        # Written before the file changes: a redelivered message that finds the file at new_sha
+        # Recorded before the file changes: a redelivered message that finds the file at new_sha
         # knows the write was its own and reports success instead of a 412.
-        self.client.set(keys.patch_intent(task_id), json.dumps(outcome), ex=self.intent_ttl_s)
-        if patch.deletes:
-            workspace.delete(dir_fd, name)
-        else:
-            workspace.replace(dir_fd, name, new_data, current)
+        with self._setting(keys.patch_intent(task_id), json.dumps(outcome)) as confirmed:
+            if patch.deletes:
+                confirmed()
+                workspace.delete(dir_fd, name)
+            else:
+                workspace.replace(dir_fd, name, new_data, current, before_rename=confirmed)
         return outcome
+
+    @contextmanager
+    def _setting(self, key: str, value: str) -> Iterator[Callable[[], None]]:
+        """SET key (expiring) is sent at once; call what this yields to wait for Redis's reply, so
+        the round trip overlaps the disk's fsync. SET is idempotent: on connection trouble it is
+        simply sent again the usual way, with the client's retries."""
+        command = ("SET", key, value, "EX", self.intent_ttl_s)
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        unread = False
+
+        def confirmed() -> None:
+            nonlocal unread
+            try:
+                if unread:
+                    unread = False
+                    connection.read_response()
+                    return
+            except redis.ConnectionError:
+                pass
+            self.client.execute_command(*command)
+
+        try:
+            with suppress(redis.ConnectionError):
+                connection.send_command(*command)
+                unread = True
+            yield confirmed
+        finally:
+            if unread:  # never read: its reply must not reach the connection's next user
+                connection.disconnect()
+            pool.release(connection)
 

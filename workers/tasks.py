@@ -70,19 +70,20 @@ class RunwardenTask(Task):
             )
         return context
 
-    def file_call(self, call: dict[str, Any], tool: Callable[[], dict[str, Any]],
+    def file_call(self, call: dict[str, Any], tool: Callable[[bytes | None], dict[str, Any]],
                   lock: str | None = None) -> dict[str, Any]:
-        """Run a file tool once per call, even when its message is delivered again; `lock`, which
-        the tool may take, is released with the outcome."""
+        """Run a file tool once per call, even when its message is delivered again. `lock` is
+        taken with the start if free (the tool gets the task's earlier intent, else None and waits
+        for it itself) and released with the outcome."""
         records, task_id = self.ctx.records, self.request.id
-        found, attempts = records.start(task_id, self.ctx.name, reentrant=True)
-        if found not in ("running", "cancel"):
-            return self._replay(call, found)
-        if attempts > MAX_FILE_ATTEMPTS:
+        started = records.start(task_id, self.ctx.name, reentrant=True, lock=lock)
+        if started.status not in ("running", "cancel"):
+            return self._replay(call, started.status)
+        if started.attempts > MAX_FILE_ATTEMPTS:
             error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
             return self._record_error(call, error, lock)
         try:
-            result = tool()
+            result = tool(started.intent)
         except RunwardenError as exc:
             return self._record_error(call, exc, lock)
         except OSError as exc:
@@ -130,7 +131,7 @@ def ping(self: RunwardenTask) -> str:
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.read_file", acks_late=True,
              reject_on_worker_lost=True, ignore_result=True)
 def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
-    def tool() -> dict[str, Any]:
+    def tool(_: bytes | None) -> dict[str, Any]:
         ws = self.ctx.workspace(call["tenant"], call["run_id"])
         return read_file_tool(ws, call["parameters"]["path"])
     return self.file_call(call, tool)
@@ -139,11 +140,11 @@ def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.apply_file_patch", acks_late=True,
              reject_on_worker_lost=True, ignore_result=True)
 def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
-    def tool() -> dict[str, Any]:
+    def tool(held: bytes | None) -> dict[str, Any]:
         ws = self.ctx.workspace(call["tenant"], call["run_id"])
         p = call["parameters"]
         return self.ctx.patches.apply(ws, call["tenant"], call["run_id"], self.request.id,
-                                      p["path"], p["diff"], p["base_sha"])
+                                      p["path"], p["diff"], p["base_sha"], held)
     return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], call["parameters"]["path"]))
 
 
@@ -157,7 +158,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
     control.subscribe(keys.control(task_id))
     try:
-        found, _ = ctx.records.start(task_id, ctx.name)
+        found = ctx.records.start(task_id, ctx.name).status
         if found != "running":
             log.info("shell call %s not started: it is %s", task_id, found)
             return None

@@ -15,7 +15,7 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from shared.errors import FileNotFound, PathForbidden, PayloadTooLarge
 
@@ -119,8 +119,10 @@ def read(dir_fd: int, name: str) -> FileState:
         os.close(fd)
 
 
-def replace(dir_fd: int, name: str, data: bytes, like: FileState) -> None:
-    """Atomically put `data` at `name`, keeping the old file's mode and owner (or the directory's)."""
+def replace(dir_fd: int, name: str, data: bytes, like: FileState,
+            before_rename: Callable[[], None] = lambda: None) -> None:
+    """Atomically put `data` at `name`, keeping the old file's mode and owner (or the directory's).
+    `before_rename` runs once the bytes are on disk, just before they replace the file."""
     tmp = f".{name[:200]}.rw-{secrets.token_hex(6)}.tmp"
     if like.data is None:
         st_dir = os.fstat(dir_fd)
@@ -129,18 +131,20 @@ def replace(dir_fd: int, name: str, data: bytes, like: FileState) -> None:
         mode, uid, gid = like.mode, like.uid, like.gid
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if os.geteuid() == 0:
-            os.fchown(fd, uid, gid)
-        os.fchmod(fd, mode)
-        os.fsync(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if os.geteuid() == 0:
+                os.fchown(fd, uid, gid)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        before_rename()
     except BaseException:
-        os.close(fd)
         os.unlink(tmp, dir_fd=dir_fd)
         raise
-    os.close(fd)
     # The data is on disk before the rename, so no crash exposes an empty or partial file; the
     # rename itself is atomic for every reader. (No directory fsync: it buys durability of the
     # rename across power loss, not atomicity, at the cost of a second disk flush per patch.)
