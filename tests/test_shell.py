@@ -15,7 +15,7 @@ import redis
 
 from shared.keys import task_id_for
 from workers.sandbox import find_bwrap
-from workers.tasks import drain_control
+from workers.tasks import subscribe_control
 from tests.streams import collect, connect, watch
 
 
@@ -284,13 +284,42 @@ def test_control_connection_forgets_each_calls_channel(stack) -> None:
     control = redis.Redis.from_url(stack.redis_url).pubsub()
     try:
         for n in range(200):
-            drain_control(control)
-            control.subscribe(f"rw:control:test-{n}")
+            subscribe_control(control, f"rw:control:test-{n}")
             control.unsubscribe(f"rw:control:test-{n}")
-        for _ in range(50):  # what has arrived by now; a loaded Redis may still be confirming the last ones
-            drain_control(control)
+        for n in range(50):  # what has arrived by now; a loaded Redis may still be confirming the last ones
+            subscribe_control(control, "rw:control:test-last")
+            control.unsubscribe("rw:control:test-last")
             time.sleep(0.02)
         assert len(control.channels) <= 1 and len(control.pending_unsubscribe_channels) <= 1, (
             len(control.channels), len(control.pending_unsubscribe_channels))
     finally:
         control.close()
+
+
+def kill_pool_connections(client: redis.Redis) -> int:
+    """What a Redis restart, failover or idle timeout does to the pool processes' connections
+    (Celery's own are left alone: this is about runwarden's)."""
+    doomed = [c["id"] for c in client.client_list() if c["name"].startswith("runwarden-pool-")]
+    return sum(client.client_kill_filter(_id=client_id) for client_id in doomed)
+
+
+def test_dropped_connections_cost_no_call(agent) -> None:
+    """A running call gets a new control connection and can still be cancelled; the next calls
+    of each pool process replace theirs and run (before, the first stayed queued for ever)."""
+    task_id = start(agent, "echo started; sleep 30")
+    ws = connect(agent, task_id)
+    collect(ws, limit=1)
+    assert kill_pool_connections(agent.stack.redis) >= 1
+    time.sleep(0.2)
+    response = agent.http.delete(f"{agent.stack.base_url}/v1/tool-calls/{task_id}",
+                                 headers={"Authorization": f"Bearer {agent.token}"}, timeout=30)
+    assert response.status_code in (200, 202)
+    assert collect(ws).exit["status"] == "cancelled"
+    assert finished(agent, task_id, 10)["status"] == "cancelled"
+
+    assert kill_pool_connections(agent.stack.redis) >= 1
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda n: agent.shell(f"echo {n}", wait=30), range(8)))
+    for n, answer in enumerate(answers):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["result"]["stdout"] == f"{n}\n"

@@ -103,9 +103,7 @@ class ShellCall:
             os.set_blocking(fd, False)
             _grow_pipe(fd)
             selector.register(fd, selectors.EVENT_READ)
-        control_fd = control.connection._sock.fileno()  # type: ignore[union-attr]
-        selector.register(control_fd, selectors.EVENT_READ)
-        self._read_control(run, control)
+        control_fd = self._listen(run, control, selector, None)
         next_lease = time.monotonic() + self.settings.lease_s / 3
         open_pipes = set(run.streams)
         while open_pipes:
@@ -114,7 +112,7 @@ class ShellCall:
             wake = min(run.deadline, next_lease, run.kill_at or float("inf"), now + POLL_S)
             for key, _ in selector.select(max(0.0, wake - now)):
                 if key.fd == control_fd:
-                    self._read_control(run, control)
+                    control_fd = self._listen(run, control, selector, control_fd)
                 elif not self._drain_pipe(run, key.fd):
                     selector.unregister(key.fd)
                     open_pipes.discard(key.fd)
@@ -190,6 +188,27 @@ class ShellCall:
                 self._terminate(run)
             elif order.get("signal") in ALLOWED_SIGNALS:
                 run.process.signal(ALLOWED_SIGNALS[order["signal"]])
+
+    def _listen(self, run: _Run, control: redis.client.PubSub, selector: selectors.BaseSelector,
+                fd: int | None) -> int:
+        """Act on what the control connection (watched as `fd`, if yet) holds. If Redis dropped it
+        (a restart, a failover, an idle timeout), listen on a new one, and honour a cancel flagged
+        while none was listening. Returns the fd to watch."""
+        try:
+            self._read_control(run, control)
+            if fd is not None:
+                return fd
+        except redis.ConnectionError:
+            if fd is not None:
+                selector.unregister(fd)
+            control.reset()
+            control.subscribe(keys.control(self.task_id))
+            if not run.cancelled and self.client.hexists(keys.task(self.task_id), "cancel"):
+                run.cancelled = True
+                self._terminate(run)
+        fd = control.connection._sock.fileno()  # type: ignore[union-attr]
+        selector.register(fd, selectors.EVENT_READ)
+        return fd
 
     def _terminate(self, run: _Run) -> None:
         """SIGTERM now, SIGKILL after the grace period."""

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +40,9 @@ class WorkerContext:
     def __init__(self, settings: Settings, runner: Runner | None, sandbox_error: str | None) -> None:
         self.pid = os.getpid()
         self.settings = settings
-        self.redis = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+        # Named, so an operator's CLIENT LIST tells a pool process's connections from Celery's own.
+        self.redis = redis.Redis.from_url(settings.redis_url, health_check_interval=30,
+                                          client_name=f"runwarden-pool-{self.pid}")
         self.records = Records(self.redis, ttl_s=settings.idempotency_ttl_s,
                                retention_s=settings.stream_retention_s, lease_s=settings.lease_s)
         self.patches = PatchApplier(self.redis, settings.idempotency_ttl_s)
@@ -154,9 +157,15 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     """At most once: acked on receipt; a second delivery finds the call no longer queued and stops."""
     ctx, task_id = self.ctx, self.request.id
     control = ctx.control
-    drain_control(control)
-    # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
-    control.subscribe(keys.control(task_id))
+    try:
+        # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
+        subscribe_control(control, keys.control(task_id))
+    except redis.ConnectionError:
+        # The message is already acked: end the call, or it would stay queued with no exit event.
+        log.exception("shell call %s could not subscribe to its control channel", task_id)
+        result = {"code": "unavailable", "message": "The call could not run: ConnectionError."}
+        ctx.records.finish(task_id, Status.FAILED, result, exit_json=exit_event(Status.FAILED, error="unavailable"))
+        return None
     try:
         found = ctx.records.start(task_id, ctx.name).status
         if found != "running":
@@ -166,14 +175,22 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
         return {"status": status.value, "result": result}
     finally:
-        control.unsubscribe(keys.control(task_id))
+        with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
+            control.unsubscribe(keys.control(task_id))
 
 
-def drain_control(control: Any) -> None:
-    """Read what earlier calls left on this process's control connection. Reading the unsubscribe
-    confirmations is what makes redis-py forget those channels (unread, it kept one a call)."""
-    while control.get_message(timeout=0) is not None:
-        pass
+def subscribe_control(control: Any, channel: str) -> None:
+    """Subscribe this process's control connection to a call's channel, first reading what earlier
+    calls left on it: reading the unsubscribe confirmations is what makes redis-py forget those
+    channels (unread, it kept one a call). A connection Redis dropped since (a restart, a failover,
+    an idle timeout) is replaced."""
+    try:
+        while control.get_message(timeout=0) is not None:
+            pass
+        control.subscribe(channel)
+    except redis.ConnectionError:
+        control.reset()
+        control.subscribe(channel)
 
 
 def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any) -> tuple[Status, Any, str]:
