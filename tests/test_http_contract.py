@@ -366,6 +366,18 @@ def test_get_and_delete_of_unknown_or_foreign_task_is_404(agent, make_agent) -> 
     assert_problem(no_token, 401, "unauthorized")
 
 
+def test_logs_keep_no_file_contents_or_command_output(agent) -> None:
+    """Celery logs what a task returns at INFO: that must not be a workspace's secrets."""
+    in_file, in_output = (f"secret-{uuid.uuid4().hex}" for _ in range(2))
+    agent.write("key.pem", in_file.encode())
+    assert agent.call("read_file", {"path": "key.pem"}).json()["result"]["content"] == in_file
+    shell = agent.shell(f"cat key.pem; echo {in_output[:7]}''{in_output[7:]}", wait=30).json()
+    assert shell["result"]["stdout"] == in_file + in_output + "\n"
+    logs = "".join(log.read_text(errors="replace") for log in agent.stack.logs.glob("*.log"))
+    assert f"{shell['task_id']}] succeeded" in logs  # the line is there, without the payload
+    assert in_file not in logs and in_output not in logs
+
+
 def test_metrics_labels_do_not_echo_client_input(stack) -> None:
     marker = f"zz{uuid.uuid4().hex}"
     body = {"tool_name": marker, "call_id": str(uuid.uuid4()), "parameters": {}}

@@ -1,7 +1,9 @@
 """Celery tasks. Each is thin: claim the call, run the tool, record the outcome.
 
 The outcome of a call is written to runwarden's own records (not only Celery's result backend,
-which forgets): the task record for GET, and the idempotency record for replays.
+which forgets): the task record for GET, and the idempotency record for replays. What a task
+returns only feeds Celery's "succeeded" log line (results are ignored), so it is a summary: file
+contents and command output stay out of the worker's logs.
 """
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ class RunwardenTask(Task):
         records, task_id = self.ctx.records, self.request.id
         started = records.start(task_id, self.ctx.name, reentrant=True, lock=lock)
         if started.status not in ("running", "cancel"):
-            return self._replay(call, started.status)
+            log.info("file call %s not run again: it is %s", task_id, started.status)
+            return {"status": started.status}
         if started.attempts > MAX_FILE_ATTEMPTS:
             error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
             return self._record_error(call, error, lock)
@@ -100,7 +103,7 @@ class RunwardenTask(Task):
         body = _json({"task_id": task_id, "call_id": call["call_id"], "tool_name": call["tool_name"],
                       "status": Status.COMPLETED.value, "result": result})
         records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()), release=lock)
-        return {"code": 200, "body": body}
+        return {"status": Status.COMPLETED.value}
 
     def _record_error(self, call: dict[str, Any], error: RunwardenError, lock: str | None) -> dict[str, Any]:
         task_id = self.request.id
@@ -113,13 +116,7 @@ class RunwardenTask(Task):
         if error.status >= 500:
             # A server failure is not the call's outcome: free the key so a retry can run it.
             self.ctx.redis.delete(keys.idempotency(call["tenant"], call["idem_key"]))
-        return {"code": error.status, "body": body}
-
-    def _replay(self, call: dict[str, Any], found: str) -> dict[str, Any]:
-        record = self.ctx.redis.hmget(keys.idempotency(call["tenant"], call["idem_key"]), "code", "body")
-        if record[0] is None:
-            return {"code": 404, "body": _json({"code": "not_found", "status": 404, "detail": found})}
-        return {"code": int(record[0]), "body": record[1].decode()}
+        return {"status": Status.FAILED.value, "error": error.code}
 
 
 def _json(value: Any) -> str:
@@ -173,7 +170,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
             return None
         status, result, exit_json = _run_shell(ctx, task_id, call, control)
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
-        return {"status": status.value, "result": result}
+        return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
     finally:
         with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
             control.unsubscribe(keys.control(task_id))
