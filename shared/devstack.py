@@ -136,6 +136,10 @@ def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, thread
     argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1",
             "--threads", str(threads), "--bind", f"{host}:{port}", "--timeout", "0",
             "--graceful-timeout", "5", "--keep-alive", "30", "api.app:create_app()"]
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        # As the image does: gunicorn touches its heartbeat file on every event-loop turn, which
+        # its docs warn can block on a disk-backed directory (here: behind the patches' fsyncs).
+        argv[-1:-1] = ["--worker-tmp-dir", "/dev/shm"]
     return stack.start("api", argv, env, log)
 
 
