@@ -264,7 +264,7 @@ def test_patch_waits_for_a_lock_another_task_holds(agent, tmp_path: Path) -> Non
 def test_patch_intent_is_set_even_if_its_connection_dies_unread(stack) -> None:
     """The intent SET is sent early and its reply read late; if the connection is lost meanwhile
     (here: killed while Redis holds writes), it is sent again and the connection is not reused."""
-    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60)
+    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60, workspaces=stack.workspaces)
     key = f"rw:test:intent:{uuid.uuid4()}"
     connection_id = applier.client.client_id()  # the pool's one connection, which _setting reuses
     stack.redis.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
@@ -283,7 +283,7 @@ def test_patch_intent_is_set_even_if_its_connection_dies_unread(stack) -> None:
 def test_patch_intent_reply_never_reaches_the_next_command(stack) -> None:
     """A write that fails between sending the intent and reading its reply leaves that reply
     unread: the connection is dropped, never handed to the next command with a stale reply."""
-    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60)
+    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60, workspaces=stack.workspaces)
     other = f"rw:test:other:{uuid.uuid4()}"
     stack.redis.set(other, "its own value")
     with pytest.raises(OSError), applier._setting(f"rw:test:intent:{uuid.uuid4()}", "x"):

@@ -18,7 +18,7 @@ from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, SchemaIn
 from shared.idempotency import parse_key
 from shared.schema import parse_tool_call
 from shared.settings import Settings, SettingsError
-from workers import sandbox
+from workers import sandbox, workspace
 from workers.relay import Utf8Cutter, incomplete_tail, output_event
 from workers.shell import signal_name
 
@@ -196,3 +196,53 @@ def test_stream_copy_counts_the_bytes_its_cutter_holds_back() -> None:
     copy = StreamCopy("stdout", 1024)
     copy.take(copy.cutter.feed(b"ab\xe2\x82"))  # "ab" and the first two bytes of "€"
     assert (copy.size, copy.kept) == (2, 4)
+
+
+def test_spare_file_is_linked_in_never_over_a_name_and_only_once(tmp_path: Path) -> None:
+    """A patch's temp file made ahead (O_TMPFILE): linked in under the temp name, never over an
+    existing entry; nameless until then, so nothing is left behind in the root."""
+    root, target = tmp_path / "root", tmp_path / "root" / "tenant" / "run"
+    target.mkdir(parents=True)
+    spare = workspace.SpareFile(root)
+    assert spare.take(os.open(target, os.O_RDONLY), "x") is None  # none made yet
+    spare.restock()
+    assert spare.fd is not None and sorted(p.name for p in root.iterdir()) == ["tenant"]
+    dir_fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (target / "taken").write_bytes(b"someone else's")
+        assert spare.take(dir_fd, "taken") is None  # never replaces an entry
+        assert (target / "taken").read_bytes() == b"someone else's"
+        before = os.fstat(spare.fd).st_ino
+        fd = spare.take(dir_fd, ".f.rw-1.tmp")
+        assert fd is not None and spare.fd is None
+        os.write(fd, b"new bytes")
+        os.close(fd)
+        assert (target / ".f.rw-1.tmp").read_bytes() == b"new bytes"
+        assert (target / ".f.rw-1.tmp").stat().st_ino == before
+        assert spare.take(dir_fd, ".f.rw-2.tmp") is None  # used up until the next restock
+    finally:
+        os.close(dir_fd)
+
+
+def test_replace_uses_a_spare_and_falls_back_without_one(tmp_path: Path) -> None:
+    """Across filesystems the link fails (EXDEV) and the temp file is created in place; either way
+    the file is replaced whole and no temp file is left."""
+    target = tmp_path / "ws"
+    target.mkdir()
+    other_fs = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+    roots = [tmp_path] + ([other_fs] if other_fs and os.stat(other_fs).st_dev != os.stat(tmp_path).st_dev else [])
+    dir_fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for n, root in enumerate(roots):
+            spare = workspace.SpareFile(root)
+            spare.restock()
+            made = spare.fd
+            workspace.replace(dir_fd, "f.txt", b"version %d\n" % n, workspace.read(dir_fd, "f.txt"), spare=spare)
+            assert (target / "f.txt").read_bytes() == b"version %d\n" % n
+            assert sorted(p.name for p in target.iterdir()) == ["f.txt"]
+            assert (spare.fd is None) == (root == tmp_path), root  # used on the same filesystem only
+            if spare.fd is not None:
+                assert spare.fd == made
+                os.close(spare.fd)
+    finally:
+        os.close(dir_fd)

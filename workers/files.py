@@ -43,10 +43,11 @@ class PatchApplier:
     for here), and released by its finish script with the outcome, whatever it was.
     """
 
-    def __init__(self, client: redis.Redis, intent_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, intent_ttl_s: int, workspaces: Path) -> None:
         self.client = client
         self.intent_ttl_s = intent_ttl_s
         self._acquire = client.register_script(_ACQUIRE)
+        self.spare = workspace.SpareFile(workspaces)
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
               base_sha: str, held: bytes | None) -> dict[str, Any]:
@@ -95,7 +96,7 @@ class PatchApplier:
                 confirmed()
                 workspace.delete(dir_fd, name)
             else:
-                workspace.replace(dir_fd, name, new_data, current, before_rename=confirmed)
+                workspace.replace(dir_fd, name, new_data, current, before_rename=confirmed, spare=self.spare)
         return outcome
 
     @contextmanager

@@ -47,7 +47,7 @@ class WorkerContext:
                                           client_name=f"runwarden-pool-{self.pid}")
         self.records = Records(self.redis, ttl_s=settings.idempotency_ttl_s,
                                retention_s=settings.stream_retention_s, lease_s=settings.lease_s)
-        self.patches = PatchApplier(self.redis, settings.idempotency_ttl_s)
+        self.patches = PatchApplier(self.redis, settings.idempotency_ttl_s, settings.workspaces)
         self.runner = runner
         self.sandbox_error = sandbox_error
         self.sandbox_owner = getattr(runner, "host_uid", None)
@@ -145,7 +145,10 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
         p = call["parameters"]
         return self.ctx.patches.apply(ws, call["tenant"], call["run_id"], self.request.id,
                                       p["path"], p["diff"], p["base_sha"], held)
-    return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], call["parameters"]["path"]))
+    try:
+        return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], call["parameters"]["path"]))
+    finally:
+        self.ctx.patches.spare.restock()  # for the next patch, now that this one has answered
 
 
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False,

@@ -119,17 +119,54 @@ def read(dir_fd: int, name: str) -> FileState:
         os.close(fd)
 
 
+class SpareFile:
+    """A nameless empty file (O_TMPFILE) made ahead of time, off the call's path, on the workspaces'
+    filesystem. A patch links it in as its temp file instead of creating one: allocating the inode
+    took 0.5–1 ms in a workspace on this machine's ext4 disk, the link 0.02 ms. Being nameless, a
+    spare never outlives its process, whatever kills it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fd: int | None = None
+        self.usable = True
+
+    def restock(self) -> None:
+        """Make the next spare if none is ready. Best effort: without one, a patch creates its file."""
+        if self.fd is not None or not self.usable:
+            return
+        try:
+            self.fd = os.open(self.root, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                self.usable = False  # this filesystem (or kernel) has no O_TMPFILE
+
+    def take(self, dir_fd: int, name: str) -> int | None:
+        """Link the spare in as `name`, never over an existing entry; its fd, or None if there is no
+        spare or the workspace is on another filesystem."""
+        if self.fd is None:
+            return None
+        try:
+            os.link(f"/proc/self/fd/{self.fd}", name, dst_dir_fd=dir_fd)  # the way open(2) documents
+        except OSError:
+            return None
+        fd, self.fd = self.fd, None
+        return fd
+
+
 def replace(dir_fd: int, name: str, data: bytes, like: FileState,
-            before_rename: Callable[[], None] = lambda: None) -> None:
+            before_rename: Callable[[], None] = lambda: None, spare: SpareFile | None = None) -> None:
     """Atomically put `data` at `name`, keeping the old file's mode and owner (or the directory's).
-    `before_rename` runs once the bytes are on disk, just before they replace the file."""
+    `before_rename` runs once the bytes are on disk, just before they replace the file; the temp
+    file is `spare`, when one is ready."""
     tmp = f".{name[:200]}.rw-{secrets.token_hex(6)}.tmp"
     if like.data is None:
         st_dir = os.fstat(dir_fd)
         mode, uid, gid = 0o644, st_dir.st_uid, st_dir.st_gid
     else:
         mode, uid, gid = like.mode, like.uid, like.gid
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    fd = spare.take(dir_fd, tmp) if spare else None
+    if fd is None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         try:
             view = memoryview(data)
