@@ -204,11 +204,11 @@ def test_spare_file_is_linked_in_never_over_a_name_and_only_once(tmp_path: Path)
     root, target = tmp_path / "root", tmp_path / "root" / "tenant" / "run"
     target.mkdir(parents=True)
     spare = workspace.SpareFile(root)
-    assert spare.take(os.open(target, os.O_RDONLY), "x") is None  # none made yet
-    spare.restock()
-    assert spare.fd is not None and sorted(p.name for p in root.iterdir()) == ["tenant"]
     dir_fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        assert spare.take(dir_fd, "x") is None  # none made yet
+        spare.restock()
+        assert spare.fd is not None and sorted(p.name for p in root.iterdir()) == ["tenant"]
         (target / "taken").write_bytes(b"someone else's")
         assert spare.take(dir_fd, "taken") is None  # never replaces an entry
         assert (target / "taken").read_bytes() == b"someone else's"
