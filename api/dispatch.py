@@ -99,8 +99,11 @@ def submit(rt: Runtime, accepted: Accepted) -> Response:
 
 def _enqueue(rt: Runtime, accepted: Accepted) -> None:
     try:
+        # ignore_result: the answer comes from runwarden's own records. Without it, Celery's Redis
+        # backend subscribes this process to the task's result channel on every send, and
+        # unsubscribes when the AsyncResult is collected: ~0.6 ms of API CPU a call (about 10 %).
         rt.celery.send_task(f"runwarden.{accepted.call.tool_name}", args=[accepted.message()],
-                            task_id=accepted.task_id)
+                            task_id=accepted.task_id, ignore_result=True)
     except (OperationalError, RedisError, OSError):
         # Nothing ran: release the claim (only if still ours) so a retry can succeed.
         try:
