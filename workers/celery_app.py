@@ -34,7 +34,7 @@ def create_celery(settings: Settings) -> Celery:
         },
         task_create_missing_queues=True,
         worker_prefetch_multiplier=1,
-        # A pool child grows by ~0.2 KiB per call in native memory (bench/): recycle it past 256 MiB.
+        # A backstop: pool children stay flat in the bench's soak, but one that grows is recycled.
         worker_max_memory_per_child=256 * 1024,
         broker_transport_options=transport,
         result_backend_transport_options=transport,

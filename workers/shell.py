@@ -22,6 +22,12 @@ from workers.relay import Publisher, StreamCopy
 from workers.sandbox import Process, Runner
 
 READ_BYTES = 128 * 1024
+READS_PER_FLUSH = 8
+PIPE_BYTES = 1024 * 1024
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+POLL_S = 0.2
+ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
+                   "SIGHUP": signal.SIGHUP}
 # A buffer per thread, read into and copied out of: os.read would allocate 128 KiB and shrink it on
 # every read, which fragmented the pool process's heap (its RSS crept up in ~1 MiB steps).
 _buffers = threading.local()
@@ -31,12 +37,6 @@ def _read_buffer() -> memoryview:
     if not hasattr(_buffers, "view"):
         _buffers.view = memoryview(bytearray(READ_BYTES))
     return _buffers.view
-READS_PER_FLUSH = 8
-PIPE_BYTES = 1024 * 1024
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-POLL_S = 0.2
-ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
-                   "SIGHUP": signal.SIGHUP}
 
 
 @dataclass
