@@ -7,6 +7,7 @@ import os
 import resource
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +20,7 @@ from shared.idempotency import parse_key
 from shared.schema import parse_tool_call
 from shared.settings import Settings, SettingsError
 from workers import sandbox, workspace
+from workers.cgroups import Cgroups
 from workers.relay import Utf8Cutter, incomplete_tail, output_event
 from workers.shell import signal_name
 
@@ -176,9 +178,7 @@ def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bo
         os.chown(workspace, 65534, 65534)
         bwrap = sandbox.find_bwrap()
         assert bwrap is not None
-        runner = sandbox.BwrapRunner(bwrap, sandbox.Limits(1 << 30, 64, 1 << 20, 256), 65534,
-                                     sandbox.build_etc(root / "etc"), None, sandbox.bwrap_features(bwrap),
-                                     shutil.which("setpriv") if with_setpriv else None)
+        runner = _runner(root, 65534, setpriv=shutil.which("setpriv") if with_setpriv else None)
         if with_setpriv and runner.setpriv is None:
             pytest.skip("no setpriv on this machine")
         process = runner.spawn("touch made; ulimit -n", workspace, "", False)
@@ -187,6 +187,48 @@ def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bo
         assert (workspace / "made").stat().st_uid == 65534
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _runner(root: Path, host_uid: int | None, cgroups: Cgroups | None = None,
+            setpriv: str | None = None) -> sandbox.BwrapRunner:
+    bwrap = sandbox.find_bwrap()
+    assert bwrap is not None
+    return sandbox.BwrapRunner(bwrap, sandbox.Limits(1 << 30, 64, 1 << 20, 256), host_uid,
+                               sandbox.build_etc(root / "etc"), cgroups, sandbox.bwrap_features(bwrap), setpriv)
+
+
+def test_sandbox_is_born_in_its_cgroup_and_the_spawning_thread_goes_home() -> None:
+    """cgroup v1: the spawning thread joins the call's groups only while it starts bwrap."""
+    cgroups = Cgroups.detect(1 << 30, 64)
+    if cgroups is None:
+        pytest.skip("no writable pids/memory cgroups here")
+    group = cgroups.for_this_process()
+    own_groups = Path(f"/proc/self/task/{threading.get_native_id()}/cgroup")
+    home = own_groups.read_text()
+    root = devstack.reachable_dir("rw-cg-")
+    host_uid = 65534 if os.geteuid() == 0 else None
+    process = None
+    try:
+        workspace = root / "ws"
+        workspace.mkdir()
+        if host_uid is not None:
+            os.chown(workspace, host_uid, host_uid)
+        process = _runner(root, host_uid, cgroups, shutil.which("setpriv")).spawn("sleep 30", workspace, "", False)
+        assert own_groups.read_text() == home
+        for directory in group.dirs:  # bwrap's sandbox child, and so everything it starts
+            assert str(process.group_leader) in (directory / "cgroup.procs").read_text().split()
+        if not group.spawns_inside:
+            pytest.skip("this host moves the sandbox in after it starts (cgroup v2, or groups not writable)")
+    finally:
+        if process is not None:
+            process.kill()
+            process.popen.wait()
+        shutil.rmtree(root, ignore_errors=True)
+        for directory in group.dirs:
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # still emptying; workers remove stale groups at start
 
 
 def test_stream_copy_counts_the_bytes_its_cutter_holds_back() -> None:

@@ -10,11 +10,13 @@ bwrap's init: killing it makes the kernel end every process inside, including on
 Spawning is on the hot path of every shell call, so nothing runs in Python between fork and exec
 (a `preexec_fn` forces a full fork() of the ~70 MB pool process: +8 ms a call, measured in bench/);
 subprocess then uses vfork. What used to run there moved: the rlimits are set by the sandbox's
-first bash before it becomes the command, the pool process joins no cgroup but moves the sandbox
-into one while bwrap waits on `--block-fd`, and the uid drop is `setpriv`'s exec.
+first bash before it becomes the command, the sandbox is born in its cgroup (cgroup v1: the spawning
+thread steps into it around the spawn) or moved into it while bwrap waits on `--block-fd` (v2),
+and the uid drop is `setpriv`'s exec.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -216,8 +218,10 @@ class BwrapRunner:
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
         let_commands_start_with_default_signals()
         cgroup = self.cgroups.for_this_process() if self.cgroups else None
+        born_inside = cgroup is not None and cgroup.spawns_inside
         info_read, info_write = os.pipe()
-        block_read, block_write = os.pipe() if cgroup else (None, None)
+        # Where the sandbox cannot be born in its cgroup, bwrap waits on --block-fd until it is moved in.
+        block_read, block_write = os.pipe() if cgroup and not born_inside else (None, None)
         # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
         # show host paths such as the workspaces root.
         options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
@@ -225,9 +229,14 @@ class BwrapRunner:
         split = argv.index("--")
         os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
         os.lseek(options, 0, os.SEEK_SET)
+        popen = None
         try:
-            popen = self._popen(argv[split:], options, [info_write, options, block_read])
+            with cgroup.joined_by_this_thread() if cgroup and born_inside else contextlib.nullcontext():
+                popen = self._popen(argv[split:], options, [info_write, options, block_read])
         except BaseException:
+            if popen is not None:  # started, but this thread could not leave the call's cgroup
+                popen.kill()
+                popen.wait()
             _close(info_read, block_write)
             raise
         finally:
