@@ -189,6 +189,40 @@ def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bo
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _gone(pid: int, timeout_s: float = 5) -> bool:
+    """Whether the process ended (a zombie counts: it runs nothing) within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_sandbox_killed_while_bwrap_sets_it_up_leaves_nothing_running() -> None:
+    """A kill right after spawn (a cancel, or a failure just after it) lands while bwrap is still
+    setting the sandbox up, before its init has a process group of its own."""
+    root = devstack.reachable_dir("rw-kill-")
+    host_uid = 65534 if os.geteuid() == 0 else None
+    try:
+        workspace = root / "ws"
+        workspace.mkdir()
+        if host_uid is not None:
+            os.chown(workspace, host_uid, host_uid)
+        runner = _runner(root, host_uid, setpriv=shutil.which("setpriv"))
+        for _ in range(3):
+            process = runner.spawn("sleep 30", workspace, "", False)
+            process.kill()
+            process.popen.wait()
+            assert _gone(process.group_leader), f"the sandbox's init {process.group_leader} outlived its kill"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _runner(root: Path, host_uid: int | None, cgroups: Cgroups | None = None,
             setpriv: str | None = None) -> sandbox.BwrapRunner:
     bwrap = sandbox.find_bwrap()

@@ -95,8 +95,20 @@ class Process:
             pass
 
     def kill(self) -> None:
-        """SIGKILL the group; for bwrap the group leader is the PID-namespace init, so all inside die."""
-        self.signal(signal.SIGKILL)
+        """SIGKILL the group; for bwrap the group leader is the PID-namespace init, so all inside die.
+
+        Until bwrap has set the sandbox up (a few ms after spawn returns), that init has no group
+        of its own yet and is still in bwrap's, so that group is killed first: a kill landing then
+        used to kill bwrap alone and leave the sandbox running. Either way the init is hit, as
+        killpg and setsid are serialized by the kernel. (bwrap's pid is only used while it is
+        unreaped, so it cannot name another process by then.)
+        """
+        bwrap_group = [self.popen.pid] if self.popen.returncode is None else []
+        for group in dict.fromkeys([*bwrap_group, self.group_leader]):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             self.popen.kill()
         except ProcessLookupError:
