@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import resource
@@ -259,10 +260,32 @@ def test_sandbox_is_born_in_its_cgroup_and_the_spawning_thread_goes_home() -> No
             process.popen.wait()
         shutil.rmtree(root, ignore_errors=True)
         for directory in group.dirs:
-            try:
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # else still emptying: workers remove stale groups at start
+
+
+def test_an_idle_pool_group_outlives_another_workers_sweep_and_is_remade_if_removed() -> None:
+    """A pool process's group is made once; a worker starting later on the same host sweeps old
+    groups, which must not take a live process's (its next call could not start), and a group
+    removed anyway is made again."""
+    cgroups = Cgroups.detect(1 << 30, 64)
+    if cgroups is None:
+        pytest.skip("no writable pids/memory cgroups here")
+    group = cgroups.for_this_process()
+    try:
+        hour_ago = time.time() - 3600
+        for directory in group.dirs:
+            os.utime(directory, (hour_ago, hour_ago))
+        assert Cgroups.detect(1 << 30, 64) is not None  # another worker starts, and sweeps
+        assert all(directory.is_dir() for directory in group.dirs)
+        for directory in group.dirs:
+            directory.rmdir()  # removed anyway
+        assert cgroups.for_this_process().dirs == group.dirs
+        assert all(directory.is_dir() for directory in group.dirs)
+    finally:
+        for directory in group.dirs:
+            with contextlib.suppress(OSError):
                 directory.rmdir()
-            except OSError:
-                pass  # still emptying; workers remove stale groups at start
 
 
 def test_stream_copy_counts_the_bytes_its_cutter_holds_back() -> None:

@@ -74,10 +74,12 @@ class Cgroups:
 
         A pool process runs one call at a time and no process outlives a call, so the group
         bounds exactly one call's tree. Making a fresh memory cgroup per call cost ~20 ms of
-        bwrap start-up (measured in bench/); joining an existing one costs ~0.1 ms.
+        bwrap start-up (measured in bench/); joining an existing one costs ~0.1 ms. A group removed
+        meanwhile (by an operator, say) is made again rather than failing every later call.
         """
-        if self._own is None or self._own[0] != os.getpid():
-            self._own = (os.getpid(), self.create(f"pool-{os.getpid()}"))
+        pid = os.getpid()
+        if self._own is None or self._own[0] != pid or not all(d.is_dir() for d in self._own[1].dirs):
+            self._own = (pid, self.create(f"pool-{pid}"))
         return self._own[1]
 
     @classmethod
@@ -164,10 +166,25 @@ STALE_AFTER_S = 600
 
 
 def _remove_stale(parent: Path) -> None:
-    """Groups left by a worker that died mid-call; busy or recent ones stay."""
+    """Groups left by pool processes that are gone. A group's mtime is its creation time, so a
+    live pool process's group is kept however old; busy ones cannot be removed anyway."""
     for child in parent.iterdir():
-        if child.is_dir() and time.time() - child.stat().st_mtime > STALE_AFTER_S:
+        if child.is_dir() and time.time() - child.stat().st_mtime > STALE_AFTER_S and not _owner_alive(child.name):
             try:
                 child.rmdir()
             except OSError:
                 pass
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether `pool-<pid>` names a process that still exists (in this PID namespace)."""
+    pid = name.removeprefix("pool-")
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
