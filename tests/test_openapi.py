@@ -54,7 +54,10 @@ def test_api_never_contradicts_its_document(live_schema, fuzz_agent, stack) -> N
     calls = []
     for operation in operations:
         @given(case=operation.as_strategy())
-        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        # derandomize: the same cases every run. Random ones sometimes held no valid shell call,
+        # so the 403 that proves generation got past validation was missing (a CI flake).
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         def fuzz(case) -> None:  # type: ignore[no-untyped-def]
             calls.append(case.call_and_validate(base_url=stack.base_url, headers=headers, checks=checks).status_code)
 
