@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -262,6 +263,32 @@ def test_sandbox_is_born_in_its_cgroup_and_the_spawning_thread_goes_home() -> No
         for directory in group.dirs:
             with contextlib.suppress(OSError):
                 directory.rmdir()  # else still emptying: workers remove stale groups at start
+
+
+def test_a_spawn_whose_thread_cannot_leave_the_cgroup_fails_and_leaves_nothing_running(tmp_path: Path) -> None:
+    cgroups = Cgroups.detect(1 << 30, 64)
+    group = cgroups.for_this_process() if cgroups else None
+    if cgroups is None or group is None or not group.spawns_inside:
+        pytest.skip("no cgroup v1 groups that this thread can join here")
+    cgroups._own = (os.getpid(), dataclasses.replace(group, homes=(tmp_path,)))  # no way back
+    root = devstack.reachable_dir("rw-noway-")
+    try:
+        workspace = root / "ws"
+        workspace.mkdir()
+        with pytest.raises(FileNotFoundError):
+            _runner(root, None, cgroups, None).spawn("sleep 30", workspace, "", False)
+        deadline = time.monotonic() + 5
+        while (others := set((group.dirs[0] / "cgroup.procs").read_text().split()) - {str(os.getpid())}) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not others, f"left running in the call's group: {others}"
+    finally:
+        for home in group.homes:
+            (home / "tasks").write_text("0")  # this thread goes home by hand
+        shutil.rmtree(root, ignore_errors=True)
+        for directory in group.dirs:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def test_an_idle_pool_group_outlives_another_workers_sweep_and_is_remade_if_removed() -> None:

@@ -247,7 +247,7 @@ class BwrapRunner:
                 popen = self._popen(argv[split:], options, [info_write, options, block_read])
         except BaseException:
             if popen is not None:  # started, but this thread could not leave the call's cgroup
-                popen.kill()
+                Process(popen, group_leader=popen.pid).kill()  # bwrap's group: its child is still in it
                 popen.wait()
             _close(info_read, block_write)
             raise
