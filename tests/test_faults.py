@@ -499,7 +499,8 @@ def test_two_workers_share_calls_and_survivor_serves_after_sigkill(tmp_path: Pat
                 ids.append(response.json()["task_id"])
             for i, task_id in enumerate(ids):
                 body = terminal(agents[i % len(agents)], task_id, 60)
-                assert body["status"] == "completed" and body["result"]["stdout"] == f"{tag} {i}\n", body
+                assert body["status"] == "completed" and body["result"]["stdout"] == f"{tag} {i}\n", \
+                    (body["status"], body.get("result"))  # the result says why, should it fail
             return [task_field(info, t, "worker") for t in ids]  # type: ignore[misc]
 
         spread = run_batch(20, "before")

@@ -315,6 +315,16 @@ def test_an_idle_pool_group_outlives_another_workers_sweep_and_is_remade_if_remo
                 directory.rmdir()
 
 
+def test_a_pool_group_is_named_for_its_process_not_only_its_pid() -> None:
+    """pids come round again: a group named by pid alone would be inherited by a new process."""
+    from workers.cgroups import _owner_alive, group_name
+    mine = group_name(os.getpid())
+    assert mine.startswith(f"pool-{os.getpid()}-") and _owner_alive(mine)
+    assert not _owner_alive(f"pool-{os.getpid()}-1")  # the same pid, started at another time
+    assert not _owner_alive(f"pool-{os.getpid()}")  # the old name: no start time, never taken as live
+    assert not _owner_alive("pool-0-0") and not _owner_alive("unrelated")
+
+
 def test_stream_copy_counts_the_bytes_its_cutter_holds_back() -> None:
     """The output cap is measured in kept bytes: a character's start held back at the cap must count,
     or flushing it at the cut would keep up to 3 bytes more than the cap."""

@@ -79,7 +79,7 @@ class Cgroups:
         """
         pid = os.getpid()
         if self._own is None or self._own[0] != pid or not all(d.is_dir() for d in self._own[1].dirs):
-            self._own = (pid, self.create(f"pool-{pid}"))
+            self._own = (pid, self.create(group_name(pid)))
         return self._own[1]
 
     @classmethod
@@ -167,7 +167,8 @@ STALE_AFTER_S = 600
 
 def _remove_stale(parent: Path) -> None:
     """Groups left by pool processes that are gone. A group's mtime is its creation time, so a
-    live pool process's group is kept however old; busy ones cannot be removed anyway."""
+    live pool process's group is kept however old; busy ones cannot be removed anyway. (Groups
+    named `pool-<pid>`, by workers before start times were in the name, count as gone.)"""
     for child in parent.iterdir():
         if child.is_dir() and time.time() - child.stat().st_mtime > STALE_AFTER_S and not _owner_alive(child.name):
             try:
@@ -176,15 +177,24 @@ def _remove_stale(parent: Path) -> None:
                 pass
 
 
-def _owner_alive(name: str) -> bool:
-    """Whether `pool-<pid>` names a process that still exists (in this PID namespace)."""
-    pid = name.removeprefix("pool-")
-    if not pid.isdigit():
-        return False
+def group_name(pid: int) -> str:
+    """`pool-<pid>-<start time>`: pids come round again (pid_max is 32768 here, and every shell call
+    starts several processes), and a new process must never inherit a dead one's group with
+    whatever it left charged or running there."""
+    return f"pool-{pid}-{_start_time(pid)}"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (proc(5), field 22), or None if it is gone."""
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, as another user's
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields from the 3rd on follow the command's ")"
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether `name` is the group of a process that still exists (in this PID namespace)."""
+    _, _, owner = name.partition("pool-")
+    pid, _, started = owner.partition("-")
+    return pid.isdigit() and _start_time(int(pid)) == started
