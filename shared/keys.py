@@ -73,6 +73,12 @@ def control(task_id: str) -> str:
     return f"{PREFIX}:ctl:{task_id}"
 
 
+def signals(task_id: str) -> str:
+    """List of the signals clients sent, in order: a worker not yet listening (the call queued, or
+    its sandbox still starting) reads them from here, so none is lost."""
+    return f"{PREFIX}:signals:{task_id}"
+
+
 def file_lock(tenant: str, run_id: str, path: str) -> str:
     """Lock serialising compare-and-swap on one file across worker processes and machines."""
     return f"{PREFIX}:lock:{tenant}:{run_id}:{path}"

@@ -35,6 +35,7 @@ end
 # A call that may run also gets its lock, if it names one, in the same round trip.
 _START = TAKE_LOCK + """
 local function may_run(state)
+  if ARGV[5] ~= '1' then return {state, redis.call('LRANGE', KEYS[4], 0, -1)} end  -- shell: signals so far
   if KEYS[4] then return {state, take_lock(KEYS[4], KEYS[5], ARGV[4], ARGV[6])} end
   return {state}
 end
@@ -50,6 +51,14 @@ if ARGV[5] ~= '1' then
 end
 if redis.call('HGET', KEYS[1], 'cancel') then return may_run('cancel') end
 return may_run('running:' .. redis.call('HGET', KEYS[1], 'attempts'))
+"""
+
+# KEYS: the call's signal list. ARGV: signal name, control channel, retention ms.
+_SIGNAL = """
+local n = redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PUBLISH', ARGV[2], cjson.encode({signal = ARGV[1], n = n}))
+return n
 """
 
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
@@ -187,6 +196,7 @@ class Started:
     status: str
     attempts: int = 0
     intent: bytes | None = None
+    signals: tuple[str, ...] = ()  # a shell call's: the signals clients sent before it started
 
 
 class Records:
@@ -198,6 +208,7 @@ class Records:
         self._start = client.register_script(_START)
         self._finish = client.register_script(_FINISH)
         self._cancel = client.register_script(_CANCEL)
+        self._signal = client.register_script(_SIGNAL)
         self._reap = client.register_script(_REAP)
 
     def _keys(self, task_id: str) -> list[str]:
@@ -221,12 +232,24 @@ class Records:
 
     def start(self, task_id: str, worker: str, *, reentrant: bool = False, lock: str | None = None) -> Started:
         """queued → running (or, reentrant, running again), taking the file lock `lock` if named."""
+        if lock:
+            extra = [lock, keys.patch_intent(task_id)]
+        else:  # a shell call (not reentrant) also reads the signals sent before it started
+            extra = [] if reentrant else [keys.signals(task_id)]
         reply = self._start(
-            keys=self._keys(task_id)[:3] + ([lock, keys.patch_intent(task_id)] if lock else []),
+            keys=self._keys(task_id)[:3] + extra,
             args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS],
         )
         status, _, attempts = reply[0].decode().partition(":")
+        if not reentrant:
+            sent = tuple(name.decode() for name in reply[1]) if len(reply) > 1 else ()
+            return Started(status, int(attempts or 0), signals=sent)
         return Started(status, int(attempts or 0), reply[1] if len(reply) > 1 else None)
+
+    def send_signal(self, task_id: str, name: str) -> None:
+        """Keep the signal for a worker not yet listening, and tell one that is (with the signal's
+        place in the list, so a worker that already read it from there does not send it twice)."""
+        self._signal(keys=[keys.signals(task_id)], args=[name, keys.control(task_id), self.retention_ms])
 
     def refresh_lease(self, task_id: str, worker: str) -> None:
         self.client.set(keys.lease(task_id), worker, px=self.lease_ms)

@@ -323,3 +323,32 @@ def test_dropped_connections_cost_no_call(agent) -> None:
     for n, answer in enumerate(answers):
         assert answer.status_code == 200, answer.text
         assert answer.json()["result"]["stdout"] == f"{n}\n"
+
+
+@pytest.mark.parametrize("delay_s", [0, 0.005, 0.01, 0.02, 0.04])
+def test_a_signal_sent_as_soon_as_the_stream_opens_still_reaches_the_command(agent, delay_s: float) -> None:
+    """The client need not wait for output: a signal that arrives before the command has started
+    (the call still queued, or bwrap still setting the sandbox up) is delivered once it has."""
+    task_id = start(agent, "sleep 30", timeout_ms=20000)
+    ws = connect(agent, task_id, timeout=15)
+    time.sleep(delay_s)
+    ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
+    received = collect(ws)
+    ws.close()
+    assert received.exit["signal"] == "SIGINT" and received.exit["exit_code"] == 130, received.exit
+
+
+def test_a_signal_sent_while_the_call_is_queued_reaches_it_once_it_runs(agent) -> None:
+    """No worker listens to a queued call: the signal waits in the call's list until one starts it."""
+    blockers = [start(agent, "sleep 2") for _ in range(2)]  # both pool processes of the test stack
+    time.sleep(0.3)
+    task_id = start(agent, "sleep 30", timeout_ms=20000)
+    assert agent.get(task_id).json()["status"] == "queued"
+    ws = connect(agent, task_id, timeout=20)
+    ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
+    received = collect(ws)
+    ws.close()
+    # Sent before the command existed, it reaches it as soon as it does (before any trap it would set).
+    assert received.exit["signal"] == "SIGINT" and received.exit["exit_code"] == 130, received.exit
+    for blocker in blockers:
+        assert finished(agent, blocker)["result"]["exit_code"] == 0

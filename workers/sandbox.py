@@ -83,9 +83,22 @@ class Limits:
 class Process:
     """A started command: its pipes, and how to signal or end its whole tree."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], group_leader: int) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], group_leader: int, *, sandbox_init: bool = False) -> None:
         self.popen = popen
         self.group_leader = group_leader
+        self.sandbox_init = sandbox_init  # the leader is bwrap's init, and the command will be its child
+
+    def started(self) -> bool:
+        """Whether the command's process exists, so that a signal to the group reaches it. Until
+        bwrap's init has forked it, the group holds the init alone (which ignores what it has no
+        handler for), or does not exist yet."""
+        if not self.sandbox_init:
+            return True
+        leader = self.group_leader
+        try:
+            return bool(Path(f"/proc/{leader}/task/{leader}/children").read_text().strip())
+        except OSError:
+            return True  # the init is gone, or this kernel has no such file: send, as before
 
     def signal(self, signum: int) -> None:
         """Deliver to the command's process group (the sandbox init ignores what it has no use for)."""
@@ -263,7 +276,7 @@ class BwrapRunner:
             _close(block_write)
             stderr = popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
             raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
-        process = Process(popen, group_leader=child)
+        process = Process(popen, group_leader=child, sandbox_init=True)
         if cgroup is not None and block_write is not None:
             try:
                 cgroup.add(child)  # bwrap's sandbox child, before it starts anything

@@ -26,6 +26,7 @@ READS_PER_FLUSH = 8
 PIPE_BYTES = 1024 * 1024
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 POLL_S = 0.2
+SIGNAL_RETRY_S = 0.002  # while a signal waits for the command to exist (bwrap's set-up: ~5 ms)
 ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
                    "SIGHUP": signal.SIGHUP}
 # A buffer per thread, read into and copied out of: os.read would allocate 128 KiB and shrink it on
@@ -57,6 +58,8 @@ class _Run:
     cancelled: bool = False
     truncated: bool = False
     streams: dict[int, StreamCopy] = field(default_factory=dict)
+    signals_read: int = 0  # how many of the call's sent signals (keys.signals) are taken
+    pending: list[int] = field(default_factory=list)  # taken, to be sent once the command exists
 
 
 def signal_name(exit_code: int) -> str | None:
@@ -79,10 +82,12 @@ class ShellCall:
         self.publisher = Publisher(client, task_id, settings.stream_retention_s)
 
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
-            control: redis.client.PubSub) -> Outcome:
+            control: redis.client.PubSub, sent: tuple[str, ...] = ()) -> Outcome:
+        """`sent`: the signals clients sent before the call started, in order."""
         started = time.monotonic()
         process = self.runner.spawn(command, workspace, cwd, network)
-        run = _Run(process, deadline=started + timeout_ms / 1000)
+        run = _Run(process, deadline=started + timeout_ms / 1000, signals_read=len(sent),
+                   pending=[ALLOWED_SIGNALS[name] for name in sent if name in ALLOWED_SIGNALS])
         assert process.popen.stdout and process.popen.stderr
         run.streams = {
             process.popen.stdout.fileno(): StreamCopy("stdout", self.settings.http_output_bytes),
@@ -109,13 +114,15 @@ class ShellCall:
         while open_pipes:
             now = time.monotonic()
             # Wake at least every POLL_S to notice a command that exited while a child holds its pipes.
-            wake = min(run.deadline, next_lease, run.kill_at or float("inf"), now + POLL_S)
+            poll_s = SIGNAL_RETRY_S if run.pending else POLL_S
+            wake = min(run.deadline, next_lease, run.kill_at or float("inf"), now + poll_s)
             for key, _ in selector.select(max(0.0, wake - now)):
                 if key.fd == control_fd:
                     control_fd = self._listen(run, control, selector, control_fd)
                 elif not self._drain_pipe(run, key.fd):
                     selector.unregister(key.fd)
                     open_pipes.discard(key.fd)
+            self._deliver(run)
             self.publisher.flush()
             now = time.monotonic()
             if now >= next_lease:
@@ -187,7 +194,38 @@ class ShellCall:
                 run.cancelled = True
                 self._terminate(run)
             elif order.get("signal") in ALLOWED_SIGNALS:
-                run.process.signal(ALLOWED_SIGNALS[order["signal"]])
+                self._take_signal(run, order["signal"], order.get("n"))
+
+    def _take_signal(self, run: _Run, name: str, place: object) -> None:
+        """A signal announced on the control channel, `place` being its number in the call's list."""
+        if place is None:  # from an API that keeps no list (an older version, mid-upgrade): as it comes
+            self._queue_signal(run, ALLOWED_SIGNALS[name])
+            return
+        if not isinstance(place, int) or place <= run.signals_read:
+            return  # taken already, from the list, when the call started
+        if place > run.signals_read + 1:
+            self._catch_up(run)  # some went by while no one listened: take them all, in order
+            return
+        run.signals_read = place
+        self._queue_signal(run, ALLOWED_SIGNALS[name])
+
+    def _catch_up(self, run: _Run) -> None:
+        for raw in self.client.lrange(keys.signals(self.task_id), run.signals_read, -1):
+            run.signals_read += 1
+            if (name := raw.decode()) in ALLOWED_SIGNALS:
+                self._queue_signal(run, ALLOWED_SIGNALS[name])
+
+    def _queue_signal(self, run: _Run, signum: int) -> None:
+        run.pending.append(signum)
+        self._deliver(run)
+
+    def _deliver(self, run: _Run) -> None:
+        """Send the queued signals once the command exists; until then the loop retries every
+        SIGNAL_RETRY_S, so a signal sent as the call starts is not lost."""
+        if run.pending and run.process.started():
+            for signum in run.pending:
+                run.process.signal(signum)
+            run.pending.clear()
 
     def _listen(self, run: _Run, control: redis.client.PubSub, selector: selectors.BaseSelector,
                 fd: int | None) -> int:
@@ -206,13 +244,14 @@ class ShellCall:
             if not run.cancelled and self.client.hexists(keys.task(self.task_id), "cancel"):
                 run.cancelled = True
                 self._terminate(run)
+            self._catch_up(run)  # signals sent while no one listened
         fd = control.connection._sock.fileno()  # type: ignore[union-attr]
         selector.register(fd, selectors.EVENT_READ)
         return fd
 
     def _terminate(self, run: _Run) -> None:
-        """SIGTERM now, SIGKILL after the grace period."""
-        run.process.signal(signal.SIGTERM)
+        """SIGTERM now (once the command exists), SIGKILL after the grace period."""
+        self._queue_signal(run, signal.SIGTERM)
         if run.kill_at is None:
             run.kill_at = time.monotonic() + self.settings.kill_grace_s
 

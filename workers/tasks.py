@@ -167,11 +167,11 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         ctx.records.finish(task_id, Status.FAILED, result, exit_json=exit_event(Status.FAILED, error="unavailable"))
         return None
     try:
-        found = ctx.records.start(task_id, ctx.name).status
-        if found != "running":
-            log.info("shell call %s not started: it is %s", task_id, found)
+        started = ctx.records.start(task_id, ctx.name)
+        if started.status != "running":
+            log.info("shell call %s not started: it is %s", task_id, started.status)
             return None
-        status, result, exit_json = _run_shell(ctx, task_id, call, control)
+        status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
         return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
     finally:
@@ -193,7 +193,8 @@ def subscribe_control(control: Any, channel: str) -> None:
         control.subscribe(channel)
 
 
-def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any) -> tuple[Status, Any, str]:
+def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any,
+               sent: tuple[str, ...]) -> tuple[Status, Any, str]:
     p = call["parameters"]
     try:
         if ctx.runner is None:
@@ -205,7 +206,7 @@ def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: 
                 pass  # every component is a real directory, none a symlink
         shell = ShellCall(ctx.settings, ctx.redis, ctx.runner, task_id,
                           refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
-        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control)
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, sent)
         return outcome.status, outcome.result, outcome.exit_event
     except RunwardenError as exc:
         result = {"code": exc.code, "message": exc.detail}

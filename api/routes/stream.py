@@ -17,6 +17,7 @@ import time
 
 from flask import Blueprint, g, request
 from flask_sock import ConnectionClosed, Sock
+from redis import RedisError
 from wsproto.events import TextMessage
 
 from api.auth import authenticate
@@ -24,6 +25,7 @@ from api.dispatch import SHELL
 from api.runtime import runtime
 from shared import keys
 from shared.errors import ForbiddenOrigin, NotFound, SchemaInvalid
+from shared.records import Records
 from shared.schema import TOOLS
 
 bp = Blueprint("stream", __name__)
@@ -85,7 +87,7 @@ def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
 def _follow(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     rt, grant = runtime(), g.grant
     ws.sock.settimeout(SEND_TIMEOUT_S)
-    threading.Thread(target=_receive_signals, args=(ws, rt.redis, task_id), daemon=True).start()
+    threading.Thread(target=_receive_signals, args=(ws, rt.records, task_id), daemon=True).start()
     log_key, last = keys.log(task_id), g.after_seq
     block_ms = 1  # the first read only asks what is there, so a finished replay ends at once
     while ws.connected:  # a client that went away frees its thread and Redis connection
@@ -136,8 +138,9 @@ def _send_text(ws, text: str) -> None:  # type: ignore[no-untyped-def]
     ws.sock.sendall(ws.ws.send(TextMessage(data=text)))
 
 
-def _receive_signals(ws, client, task_id: str) -> None:  # type: ignore[no-untyped-def]
-    """Client → server: `{"type": "signal", "signal": "SIGINT"}` reaches the call's process group."""
+def _receive_signals(ws, records: Records, task_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Client → server: `{"type": "signal", "signal": "SIGINT"}` reaches the call's process group,
+    also when it is sent before the command has started."""
     allowed = {"SIGINT", "SIGTERM", "SIGKILL", "SIGHUP"}
     while True:
         try:
@@ -151,4 +154,7 @@ def _receive_signals(ws, client, task_id: str) -> None:  # type: ignore[no-untyp
         except (TypeError, ValueError):
             continue
         if isinstance(order, dict) and order.get("type") == "signal" and order.get("signal") in allowed:
-            client.publish(keys.control(task_id), json.dumps({"signal": order["signal"]}))
+            try:
+                records.send_signal(task_id, order["signal"])
+            except RedisError:
+                return  # the stream itself ends on the same outage
