@@ -30,9 +30,11 @@ local function take_lock(lock_key, intent_key, owner, ttl_ms)
 end
 """
 
-# KEYS: task, lease, running set, and optionally a file lock and the task's patch intent.
+# KEYS: task, lease, running set; then, for a file task, optionally its file lock and its patch
+# intent, and for a shell task its signal list.
 # ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks), lock ttl ms.
-# A call that may run also gets its lock, if it names one, in the same round trip.
+# A call that may run also gets, in the same round trip, its lock if it names one (file), or the
+# signals sent before it started (shell).
 _START = TAKE_LOCK + """
 local function may_run(state)
   if ARGV[5] ~= '1' then return {state, redis.call('LRANGE', KEYS[4], 0, -1)} end  -- shell: signals so far
@@ -232,19 +234,19 @@ class Records:
 
     def start(self, task_id: str, worker: str, *, reentrant: bool = False, lock: str | None = None) -> Started:
         """queued → running (or, reentrant, running again), taking the file lock `lock` if named."""
-        if lock:
-            extra = [lock, keys.patch_intent(task_id)]
-        else:  # a shell call (not reentrant) also reads the signals sent before it started
-            extra = [] if reentrant else [keys.signals(task_id)]
+        if reentrant:  # a file call, with its lock if it names one
+            extra = [lock, keys.patch_intent(task_id)] if lock else []
+        else:  # a shell call, with the signals sent before it started
+            extra = [keys.signals(task_id)]
         reply = self._start(
             keys=self._keys(task_id)[:3] + extra,
             args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS],
         )
         status, _, attempts = reply[0].decode().partition(":")
-        if not reentrant:
-            sent = tuple(name.decode() for name in reply[1]) if len(reply) > 1 else ()
-            return Started(status, int(attempts or 0), signals=sent)
-        return Started(status, int(attempts or 0), reply[1] if len(reply) > 1 else None)
+        found = reply[1] if len(reply) > 1 else None
+        if reentrant:
+            return Started(status, int(attempts or 0), intent=found)
+        return Started(status, int(attempts or 0), signals=tuple(name.decode() for name in found or ()))
 
     def send_signal(self, task_id: str, name: str) -> None:
         """Keep the signal for a worker not yet listening, and tell one that is (with the signal's

@@ -8,6 +8,7 @@ import selectors
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -86,8 +87,8 @@ class ShellCall:
         """`sent`: the signals clients sent before the call started, in order."""
         started = time.monotonic()
         process = self.runner.spawn(command, workspace, cwd, network)
-        run = _Run(process, deadline=started + timeout_ms / 1000, signals_read=len(sent),
-                   pending=[ALLOWED_SIGNALS[name] for name in sent if name in ALLOWED_SIGNALS])
+        run = _Run(process, deadline=started + timeout_ms / 1000)
+        self._take_listed(run, sent)
         assert process.popen.stdout and process.popen.stderr
         run.streams = {
             process.popen.stdout.fileno(): StreamCopy("stdout", self.settings.http_output_bytes),
@@ -210,10 +211,16 @@ class ShellCall:
         self._queue_signal(run, ALLOWED_SIGNALS[name])
 
     def _catch_up(self, run: _Run) -> None:
-        for raw in self.client.lrange(keys.signals(self.task_id), run.signals_read, -1):
+        listed = self.client.lrange(keys.signals(self.task_id), run.signals_read, -1)
+        self._take_listed(run, [raw.decode() for raw in listed])
+
+    def _take_listed(self, run: _Run, names: Iterable[str]) -> None:
+        """The next signals of the call's list, in order."""
+        for name in names:
             run.signals_read += 1
-            if (name := raw.decode()) in ALLOWED_SIGNALS:
-                self._queue_signal(run, ALLOWED_SIGNALS[name])
+            if name in ALLOWED_SIGNALS:
+                run.pending.append(ALLOWED_SIGNALS[name])
+        self._deliver(run)
 
     def _queue_signal(self, run: _Run, signum: int) -> None:
         run.pending.append(signum)
