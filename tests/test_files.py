@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
+import os
 import subprocess
 import time
 import uuid
@@ -14,6 +15,7 @@ import redis
 import requests
 
 from shared import keys
+from shared.errors import BaseShaMismatch
 from workers.files import PatchApplier
 from workers.patching import ZERO_SHA, git_blob_sha
 
@@ -289,6 +291,33 @@ def test_patch_intent_reply_never_reaches_the_next_command(stack) -> None:
     with pytest.raises(OSError), applier._setting(f"rw:test:intent:{uuid.uuid4()}", "x"):
         raise OSError("the disk refused")
     assert applier.client.get(other) == b"its own value"
+
+
+def test_replaced_file_is_let_go_only_after_the_answer(stack, tmp_path) -> None:
+    """The file a patch replaces stays open (unlinked) until `after_answer`, so freeing its blocks
+    happens after the call has answered, not inside the rename; a refused patch lets go too."""
+    applier = PatchApplier(redis.Redis.from_url(stack.redis_url), intent_ttl_s=60, workspaces=tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f.txt").write_bytes(b"one\n")
+    old_inode = (ws / "f.txt").stat().st_ino
+    diff = "--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-one\n+two\n"
+    task_id = str(uuid.uuid4())
+    outcome = applier.apply(ws, "t", "r", task_id, "f.txt", diff, git_blob_sha(b"one\n"), held=b"")
+    assert (ws / "f.txt").read_bytes() == b"two\n" and outcome["new_sha"] == git_blob_sha(b"two\n")
+    [held] = applier.replaced
+    assert os.fstat(held).st_ino == old_inode and os.fstat(held).st_nlink == 0  # open, no longer named
+    applier.after_answer()
+    assert applier.replaced == [] and applier.spare.fd is not None
+    with pytest.raises(OSError):
+        os.fstat(held)
+    with pytest.raises(BaseShaMismatch):
+        applier.apply(ws, "t", "r", str(uuid.uuid4()), "f.txt", diff, git_blob_sha(b"one\n"), held=b"")
+    assert len(applier.replaced) == 1
+    applier.after_answer()
+    assert applier.replaced == []
+    os.close(applier.spare.fd)
+    stack.redis.delete(keys.patch_intent(task_id))
 
 
 def test_get_returns_the_record(agent) -> None:

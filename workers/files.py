@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -48,6 +49,10 @@ class PatchApplier:
         self.intent_ttl_s = intent_ttl_s
         self._acquire = client.register_script(_ACQUIRE)
         self.spare = workspace.SpareFile(workspaces)
+        # The file a call replaces (or deletes) stays open until the call has answered. The last
+        # close of a file is what frees its blocks: 0.2 ms on ext4, spent inside the rename when
+        # nothing holds the old file open, and after the answer when this does.
+        self.replaced: list[int] = []
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
               base_sha: str, held: bytes | None) -> dict[str, Any]:
@@ -61,6 +66,12 @@ class PatchApplier:
         with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
             return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha, intent)
 
+    def after_answer(self) -> None:
+        """Work that need not delay a patch's answer: let the replaced file go, make the next spare."""
+        while self.replaced:
+            os.close(self.replaced.pop())
+        self.spare.restock()
+
     def _lock(self, lock_key: str, task_id: str) -> bytes:
         """Wait for the file's lock, owned by the task; returns the task's earlier intent, b'' if none."""
         deadline = time.monotonic() + LOCK_WAIT_S
@@ -73,7 +84,7 @@ class PatchApplier:
 
     def _apply_locked(self, dir_fd: int, name: str, task_id: str, path: str,
                       patch: patching.FilePatch, base_sha: str, intent: bytes) -> dict[str, Any]:
-        current = workspace.read(dir_fd, name)
+        current = workspace.read(dir_fd, name, keep_open=self.replaced)
         current_sha = git_blob_sha(current.data) if current.data is not None else ZERO_SHA
         if intent and (earlier := json.loads(intent))["new_sha"] == current_sha:
             return earlier  # this task's own write, before its worker died: success, not a 412

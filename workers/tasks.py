@@ -148,7 +148,7 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
     try:
         return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], call["parameters"]["path"]))
     finally:
-        self.ctx.patches.spare.restock()  # for the next patch, now that this one has answered
+        self.ctx.patches.after_answer()
 
 
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False,

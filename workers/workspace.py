@@ -95,8 +95,9 @@ def _refusal(exc: OSError) -> Exception:
     return exc
 
 
-def read(dir_fd: int, name: str) -> FileState:
-    """The file's bytes; a missing file gives data=None. FIFOs, devices and symlinks are refused."""
+def read(dir_fd: int, name: str, *, keep_open: list[int] | None = None) -> FileState:
+    """The file's bytes; a missing file gives data=None. FIFOs, devices and symlinks are refused.
+    With `keep_open`, the file read is left open and its fd added there, for the caller to close."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -114,9 +115,14 @@ def read(dir_fd: int, name: str) -> FileState:
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
-        return FileState(b"".join(chunks), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    if keep_open is None:
+        os.close(fd)
+    else:
+        keep_open.append(fd)
+    return FileState(b"".join(chunks), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
 
 class SpareFile:
