@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from shared import keys
 from shared.keys import Status
@@ -20,11 +23,17 @@ LOCK_TTL_MS = 60_000  # a file lock a task holds; a dead worker's lock is taken 
 
 # A lock owned by a task: free, or already this task's (a redelivery takes over the lock its killed
 # worker held) → taken, and the task's patch intent returned ('' if none); another task's → false.
+# With the lock taken and no intent yet, a `proposed` intent (a patch computed before the lock) is
+# recorded: a patch's intent is only ever written by the holder of its file's lock.
 TAKE_LOCK = """
-local function take_lock(lock_key, intent_key, owner, ttl_ms)
+local function take_lock(lock_key, intent_key, owner, ttl_ms, proposed, intent_ttl_ms)
   if redis.call('SET', lock_key, owner, 'NX', 'PX', ttl_ms) or redis.call('GET', lock_key) == owner then
     redis.call('PEXPIRE', lock_key, ttl_ms)
-    return redis.call('GET', intent_key) or ''
+    local earlier = redis.call('GET', intent_key)
+    if not earlier and proposed and proposed ~= '' then
+      redis.call('SET', intent_key, proposed, 'PX', intent_ttl_ms)
+    end
+    return earlier or ''
   end
   return false
 end
@@ -32,13 +41,14 @@ end
 
 # KEYS: task, lease, running set; then, for a file task, optionally its file lock and its patch
 # intent, and for a shell task its signal list.
-# ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks), lock ttl ms.
+# ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks), lock ttl ms, and for a
+# patch its proposed intent and the intent's ttl ms.
 # A call that may run also gets, in the same round trip, its lock if it names one (file), or the
 # signals sent before it started (shell).
 _START = TAKE_LOCK + """
 local function may_run(state)
   if ARGV[5] ~= '1' then return {state, redis.call('LRANGE', KEYS[4], 0, -1)} end  -- shell: signals so far
-  if KEYS[4] then return {state, take_lock(KEYS[4], KEYS[5], ARGV[4], ARGV[6])} end
+  if KEYS[4] then return {state, take_lock(KEYS[4], KEYS[5], ARGV[4], ARGV[6], ARGV[7], ARGV[8])} end
   return {state}
 end
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -131,6 +141,39 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'running' or redis.call('EXISTS', KE
 return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'lost', ARGV[2], ARGV[3], ARGV[4], '', '',
               ARGV[5], ARGV[6])
 """
+
+
+def overlapped(client: redis.Redis, command: tuple[Any, ...], meanwhile: Callable[[], None],
+               again: Callable[[], Any]) -> Any:
+    """`command`'s reply, its round trip overlapping `meanwhile`: the command is sent, `meanwhile`
+    runs, then the reply is read. On connection trouble, or a script Redis has not loaded (a
+    NOSCRIPT reply), `again` runs it the usual way, with the client's retries and script loading.
+    Only for commands that may run twice. A reply never read is never left for the connection's
+    next user: that connection is dropped."""
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    unread, reply = False, _NO_REPLY
+    try:
+        with suppress(redis.ConnectionError):
+            connection.send_command(*command)
+            unread = True
+        meanwhile()
+        if unread:
+            with suppress(redis.ConnectionError, NoScriptError):
+                unread = False
+                try:
+                    reply = connection.read_response()
+                except redis.ConnectionError:
+                    connection.disconnect()
+                    raise
+    finally:
+        if unread:
+            connection.disconnect()
+        pool.release(connection)
+    return again() if reply is _NO_REPLY else reply
+
+
+_NO_REPLY = object()
 
 
 def now_ms() -> int:
@@ -232,16 +275,23 @@ class Records:
             cancel_requested="cancel" in text,
         )
 
-    def start(self, task_id: str, worker: str, *, reentrant: bool = False, lock: str | None = None) -> Started:
-        """queued → running (or, reentrant, running again), taking the file lock `lock` if named."""
+    def start(self, task_id: str, worker: str, *, reentrant: bool = False, lock: str | None = None,
+              proposed: bytes = b"", meanwhile: Callable[[], None] | None = None) -> Started:
+        """queued → running (or, reentrant, running again), taking the file lock `lock` if named and
+        recording the `proposed` patch intent with it (see TAKE_LOCK). `meanwhile` runs while the
+        reply is on its way."""
         if reentrant:  # a file call, with its lock if it names one
             extra = [lock, keys.patch_intent(task_id)] if lock else []
         else:  # a shell call, with the signals sent before it started
             extra = [keys.signals(task_id)]
-        reply = self._start(
-            keys=self._keys(task_id)[:3] + extra,
-            args=[worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS],
-        )
+        script_keys = self._keys(task_id)[:3] + extra
+        args = [worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS, proposed,
+                self.ttl_ms]
+        if meanwhile is None:
+            reply = self._start(keys=script_keys, args=args)
+        else:
+            reply = overlapped(self.client, ("EVALSHA", self._start.sha, len(script_keys), *script_keys, *args),
+                               meanwhile, lambda: self._start(keys=script_keys, args=args))
         status, _, attempts = reply[0].decode().partition(":")
         found = reply[1] if len(reply) > 1 else None
         if reentrant:

@@ -7,6 +7,7 @@ Figures (recovery times, counts) are printed; run with `-s` to see them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -138,6 +139,50 @@ def _one_line_diff(line_no: int, old: bytes, new: bytes) -> str:
 
 
 @pytest.mark.timeout(150)
+def nameless_file_size(pair: StackInfo, pid: int) -> int:
+    """Bytes in the nameless file (O_TMPFILE, '<root>/#<inode> (deleted)' in /proc) a pool child
+    writes a prepared patch to before giving it a name; 0 if it holds none."""
+    root = os.path.realpath(pair.workspaces)
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(root + "/#") and target.endswith(" (deleted)"):
+                return os.stat(f"/proc/{pid}/fd/{fd}").st_size
+    return 0
+
+
+def warm_up_patch(agent: Agent) -> None:
+    """One small patch, which loads the start script into Redis as any earlier patch would: on a
+    fresh Redis (NOSCRIPT) a prepared patch's start runs only after its new file is written."""
+    agent.workspace.mkdir(parents=True, exist_ok=True)
+    (agent.workspace / "warm.txt").write_bytes(b"a\n")
+    diff = "--- a/warm.txt\n+++ b/warm.txt\n@@ -1 +1 @@\n-a\n+b\n"
+    assert agent.call("apply_file_patch", {"path": "warm.txt", "base_sha": git_blob_sha(b"a\n"),
+                                           "diff": diff}).status_code == 200
+
+
+def all_pool_children(pair: StackInfo) -> list[int]:
+    return [child for main in worker_mains(pair).values() for child in pool_children(main.pid)]
+
+
+def new_file_writer(pair: StackInfo, children: list[int], task_id: str, path: Path, inode: int) -> int | None:
+    """The pool child once bytes are going into `path`'s replacement: the nameless file it holds, or
+    a temp file beside `path`; or, if we were too slow, once it is renamed in (`path` is no longer
+    `inode`). None before."""
+    for child in children:
+        if nameless_file_size(pair, child) > 0:
+            return child
+    try:
+        named = (any(p.stat().st_size > 0 for p in path.parent.glob(f".{path.name}.rw-*"))
+                 or path.stat().st_ino != inode)
+    except FileNotFoundError:
+        named = False
+    if not named or task_field(pair, task_id, "worker") is None:
+        return None
+    [child] = pool_children(worker_main_pid(pair, task_id))
+    return child
+
+
 @pytest.mark.parametrize("moment", ["during_write", "after_replace"])
 def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, moment: str) -> None:
     """SIGKILL the pool child while it writes the new file (temp file half written), or right after
@@ -156,6 +201,9 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     key, call_id = f"patch-{uuid.uuid4()}", str(uuid.uuid4())
     task_id = keys.task_id_for(agent.tenant, key)
 
+    inode = (agent.workspace / "big.txt").stat().st_ino
+    warm_up_patch(agent)
+    children = all_pool_children(pair)
     first: dict[str, requests.Response] = {}
     poster = threading.Thread(target=lambda: first.update(r=agent.call("apply_file_patch", params, key=key,
                                                                        call_id=call_id)))
@@ -164,21 +212,11 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     def temp_file() -> list[Path]:
         return [p for p in agent.workspace.iterdir() if p.name.startswith(".big.txt.rw-")]
 
-    wait_until(lambda: task_field(pair, task_id, "status") == "running", 30, "the patch to start", 0.001)
-    victim_main = worker_main_pid(pair, task_id)
-    [victim] = pool_children(victim_main)
-    inode = (agent.workspace / "big.txt").stat().st_ino
-
-    def writing() -> bool:  # bytes are going into the temp file (or, if we were too slow, it is renamed)
-        try:
-            return (any(p.stat().st_size > 0 for p in temp_file())
-                    or (agent.workspace / "big.txt").stat().st_ino != inode)
-        except FileNotFoundError:
-            return False
-
-    wait_until(writing, 30, "the worker to start writing its temp file", 0.0005)
+    victim = wait_until(lambda: new_file_writer(pair, children, task_id, agent.workspace / "big.txt", inode), 30,
+                        "the worker to start writing its new file", 0.0005)
+    nameless = nameless_file_size(pair, victim)
     if moment == "after_replace":
-        # The intent is sent before the temp file is written, its reply read before the rename.
+        # The intent is recorded with the lock, before the new file is renamed in.
         wait_until(lambda: pair.redis.exists(keys.patch_intent(task_id)), 4, "the intent", 0.0005)
         pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
         try:
@@ -190,10 +228,12 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
             pair.redis.execute_command("CLIENT", "UNPAUSE")
     else:
         os.kill(victim, signal.SIGKILL)
+        assert task_field(pair, task_id, "status") == "running"  # the lock is held, the intent recorded
     killed_at = time.monotonic()
     leftovers = temp_file()
     print(f"\n[faults] patch {moment}: SIGKILL pid {victim}; temp file left: "
-          f"{[p.stat().st_size for p in leftovers]} bytes of {len(new)}")
+          f"{[p.stat().st_size for p in leftovers]} bytes of {len(new)}"
+          + (f"; nameless file had {nameless} bytes" if moment == "during_write" else ""))
     wait_until(lambda: not alive(victim), 10, "the child to die")
     sha_after_kill = git_blob_sha((agent.workspace / "big.txt").read_bytes())
     assert sha_after_kill in (old_sha, new_sha)  # never half a file
@@ -236,17 +276,18 @@ def test_redelivered_patch_completes_promptly(pair: StackInfo) -> None:
     agent.workspace.mkdir(parents=True, exist_ok=True)
     old = _big_file()
     (agent.workspace / "big.txt").write_bytes(old)
+    inode = (agent.workspace / "big.txt").stat().st_ino
     params = {"path": "big.txt", "base_sha": git_blob_sha(old),
               "diff": _one_line_diff(1, b"line 0000000\n", b"first!\n")}
     key, call_id = f"patch-{uuid.uuid4()}", str(uuid.uuid4())
     task_id = keys.task_id_for(agent.tenant, key)
     poster = threading.Thread(target=lambda: agent.call("apply_file_patch", params, key=key, call_id=call_id),
                               daemon=True)
+    warm_up_patch(agent)
+    children = all_pool_children(pair)
     poster.start()
-    wait_until(lambda: task_field(pair, task_id, "status") == "running", 30, "the patch to start", 0.001)
-    [victim] = pool_children(worker_main_pid(pair, task_id))
-    wait_until(lambda: any(p.name.startswith(".big.txt.rw-") for p in agent.workspace.iterdir()), 30,
-               "the worker to start writing its temp file", 0.001)
+    victim = wait_until(lambda: new_file_writer(pair, children, task_id, agent.workspace / "big.txt", inode), 30,
+                        "the worker to start writing its new file", 0.001)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     final = terminal(agent, task_id, 15)

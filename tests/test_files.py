@@ -8,6 +8,7 @@ import os
 import subprocess
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ import requests
 
 from shared import keys
 from shared.errors import BaseShaMismatch
-from workers.files import PatchApplier
+from shared.records import Records, Started
+from workers import workspace
+from workers.files import PatchApplier, Prepared
 from workers.patching import ZERO_SHA, git_blob_sha
 
 
@@ -318,6 +321,169 @@ def test_replaced_file_is_let_go_only_after_the_answer(stack, tmp_path) -> None:
     assert applier.replaced == []
     os.close(applier.spare.fd)
     stack.redis.delete(keys.patch_intent(task_id))
+
+
+ONE_TWO = "--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-one\n+two\n"
+
+
+class PreparedPatch:
+    """A run workspace holding f.txt = "one\\n", a ready spare, and a queued file call to start."""
+
+    def __init__(self, stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        client = redis.Redis.from_url(stack.redis_url)
+        self.redis = client
+        self.applier = PatchApplier(client, intent_ttl_s=60, workspaces=tmp_path)
+        self.records = Records(client, ttl_s=60, retention_s=60, lease_s=60)
+        self.ws = tmp_path / "ws"
+        self.ws.mkdir()
+        (self.ws / "f.txt").write_bytes(b"one\n")
+        self.applier.spare.restock()
+        self.task_id = str(uuid.uuid4())
+        self.lock = f"rw:test:lock:{self.task_id}"
+        client.hset(keys.task(self.task_id), mapping={"status": "queued"})
+
+    def start(self, prepared: Prepared, meanwhile=None) -> Started:  # type: ignore[no-untyped-def]
+        return self.records.start(self.task_id, "test-worker", reentrant=True, lock=self.lock,
+                                  proposed=prepared.intent, meanwhile=meanwhile or prepared.write)
+
+    def intent(self) -> bytes | None:
+        return self.redis.get(keys.patch_intent(self.task_id))
+
+    def close(self) -> None:
+        self.applier.after_answer()
+        os.close(self.applier.spare.fd)
+        self.redis.delete(keys.task(self.task_id), keys.patch_intent(self.task_id), self.lock,
+                          keys.lease(self.task_id))
+
+
+@pytest.fixture
+def prepared_patch(stack, tmp_path: Path):  # type: ignore[no-untyped-def]
+    setup = PreparedPatch(stack, tmp_path)
+    yield setup
+    setup.close()
+
+
+def test_prepared_patch_is_written_during_the_start_and_committed_under_the_lock(prepared_patch) -> None:
+    """The start is sent before the new bytes are written (nameless: nothing in the workspace yet)
+    and its reply read after; it takes the lock and records the intent; the commit renames them in."""
+    t = prepared_patch
+    with ExitStack() as stack:
+        prepared = t.applier.prepare(stack, t.ws, "f.txt", ONE_TWO, git_blob_sha(b"one\n"))
+        assert prepared is not None and prepared.outcome["new_sha"] == git_blob_sha(b"two\n")
+        seen: list[object] = []
+
+        def meanwhile() -> None:
+            deadline = time.monotonic() + 5
+            while t.intent() is None and time.monotonic() < deadline:  # the start already ran in Redis
+                time.sleep(0.001)
+            prepared.write()
+            seen.append((t.intent(), sorted(p.name for p in t.ws.iterdir())))
+
+        started = t.start(prepared, meanwhile)
+        assert started.status == "running" and started.intent == b""  # the lock, and no earlier intent
+        assert prepared.written and seen == [(prepared.intent, ["f.txt"])]
+        assert t.intent() == prepared.intent and t.redis.get(t.lock) == t.task_id.encode()
+        assert (t.ws / "f.txt").read_bytes() == b"one\n"
+        assert prepared.commit()
+    assert (t.ws / "f.txt").read_bytes() == b"two\n" and sorted(p.name for p in t.ws.iterdir()) == ["f.txt"]
+
+
+@pytest.mark.parametrize("meanwhile", ["replaced", "deleted", "symlink"])
+def test_prepared_patch_is_not_committed_once_the_file_changed(prepared_patch, meanwhile: str) -> None:
+    """Another patch (a new inode), a delete, or a symlink swapped in after the file was read: the
+    prepared bytes never land, and the locked path decides again."""
+    t = prepared_patch
+    with ExitStack() as stack:
+        prepared = t.applier.prepare(stack, t.ws, "f.txt", ONE_TWO, git_blob_sha(b"one\n"))
+        assert prepared is not None
+        if meanwhile == "replaced":  # as a patch that held the lock just before this one would
+            dir_fd = stack.enter_context(workspace.parent_dir(t.ws, "f.txt"))[0]
+            workspace.replace(dir_fd, "f.txt", b"one\n", workspace.read(dir_fd, "f.txt"))
+        elif meanwhile == "deleted":
+            (t.ws / "f.txt").unlink()
+        else:
+            (t.ws / "f.txt").unlink()
+            (t.ws / "f.txt").symlink_to("/etc/passwd")
+        assert t.start(prepared).intent == b""
+        assert not prepared.commit()
+    if meanwhile == "symlink":
+        assert (t.ws / "f.txt").is_symlink()
+    else:
+        assert not (t.ws / "f.txt").exists() or (t.ws / "f.txt").read_bytes() == b"one\n"
+    assert [p.name for p in t.ws.iterdir()] == (["f.txt"] if meanwhile != "deleted" else [])
+
+
+def test_prepared_creation_is_not_committed_over_a_file_made_meanwhile(prepared_patch) -> None:
+    t = prepared_patch
+    diff = "--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+made\n"
+    with ExitStack() as stack:
+        prepared = t.applier.prepare(stack, t.ws, "new.txt", diff, ZERO_SHA)
+        assert prepared is not None and prepared.outcome["created"]
+        (t.ws / "new.txt").write_bytes(b"someone else's\n")
+        t.start(prepared)
+        assert not prepared.commit()
+    assert (t.ws / "new.txt").read_bytes() == b"someone else's\n"
+
+
+def test_start_records_a_proposed_intent_only_with_the_lock_and_never_over_an_earlier_one(prepared_patch) -> None:
+    t = prepared_patch
+    with ExitStack() as stack:
+        prepared = t.applier.prepare(stack, t.ws, "f.txt", ONE_TWO, git_blob_sha(b"one\n"))
+        assert prepared is not None
+        t.redis.set(t.lock, "another-task", px=30_000)
+        assert t.start(prepared).intent is None  # the lock is another task's: nothing recorded
+        assert t.intent() is None
+        t.redis.delete(t.lock)
+        t.redis.set(keys.patch_intent(t.task_id), b"an earlier delivery's")
+        assert t.start(prepared).intent == b"an earlier delivery's"  # running again (reentrant)
+        assert t.intent() == b"an earlier delivery's"
+
+
+def test_overlapped_start_survives_an_unloaded_script_and_a_dropped_connection(prepared_patch) -> None:
+    """NOSCRIPT (Redis restarted or flushed) and a connection killed with the reply unread: the start
+    runs again the usual way, `meanwhile` runs once, and the reply of the lost one is never read
+    by the connection's next user."""
+    t = prepared_patch
+    with ExitStack() as stack:
+        prepared = t.applier.prepare(stack, t.ws, "f.txt", ONE_TWO, git_blob_sha(b"one\n"))
+        assert prepared is not None
+        t.redis.script_flush()
+        calls: list[int] = []
+        assert t.start(prepared, lambda: calls.append(1)).status == "running" and calls == [1]
+
+        connection_id = t.records.client.client_id()  # the pool's one idle connection, which start reuses
+        t.redis.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+        try:
+            def kill() -> None:
+                calls.append(2)
+                assert t.redis.client_kill_filter(_id=connection_id) == 1
+                t.redis.execute_command("CLIENT", "UNPAUSE")
+            started = t.start(prepared, kill)
+        finally:
+            t.redis.execute_command("CLIENT", "UNPAUSE")
+        assert started.status == "running" and calls == [1, 2]
+        assert t.records.client.hget(keys.task(t.task_id), "status") == b"running"
+
+
+@pytest.mark.parametrize("case", ["deletes", "base_mismatch", "missing_directory", "no_spare", "does_not_apply"])
+def test_prepare_leaves_anything_but_a_plain_patch_to_the_locked_path(prepared_patch, case: str) -> None:
+    t = prepared_patch
+    path, diff, base = "f.txt", ONE_TWO, git_blob_sha(b"one\n")
+    if case == "deletes":
+        diff = "--- a/f.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-one\n"
+    elif case == "base_mismatch":
+        base = git_blob_sha(b"other\n")
+    elif case == "missing_directory":
+        path, diff, base = "sub/new.txt", "--- /dev/null\n+++ b/sub/new.txt\n@@ -0,0 +1 @@\n+x\n", ZERO_SHA
+    elif case == "no_spare":
+        os.close(t.applier.spare.take_nameless(os.open(t.ws, os.O_RDONLY)) or -1)
+    else:
+        diff = ONE_TWO.replace("-one", "-uno")
+    with ExitStack() as stack:
+        assert t.applier.prepare(stack, t.ws, path, diff, base) is None
+    assert sorted(p.name for p in t.ws.iterdir()) == ["f.txt"]
+    if case == "no_spare":
+        t.applier.spare.restock()
 
 
 def test_get_returns_the_record(agent) -> None:

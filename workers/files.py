@@ -3,20 +3,29 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from shared import keys, records
-from shared.errors import BaseShaMismatch, FileNotFound, PatchDoesNotApply, Unavailable
+from shared.errors import (
+    BaseShaMismatch,
+    FileNotFound,
+    PatchDoesNotApply,
+    RunwardenError,
+    Unavailable,
+)
 from workers import patching, workspace
 from workers.patching import ZERO_SHA, git_blob_sha
 
+log = logging.getLogger("runwarden.files")
 LOCK_WAIT_S = 30
 
 # KEYS: lock, the task's patch intent. ARGV: owner (task id), ttl ms. The task's finish script
@@ -37,6 +46,43 @@ def read_file(ws: Path, path: str) -> dict[str, Any]:
             "encoding": encoding, "content": content}
 
 
+@dataclass
+class Prepared:
+    """A patch worked out before its call's start took the file's lock: the file read (`read_id`,
+    still held open), the outcome, and the new bytes, written to a nameless file while the start's
+    round trip is on its way (`write`). Committed only under the lock, and only while the file is
+    still the one read: every patch replaces its file with a new inode, and the old one is held open
+    so its number cannot be reused, so an unchanged inode means no patch has written it since."""
+
+    dir_fd: int
+    name: str
+    read_id: tuple[int, int] | None
+    data: bytes
+    metadata: tuple[int, int, int]
+    fd: int
+    outcome: dict[str, Any]
+    written: bool = False
+
+    @property
+    def intent(self) -> bytes:
+        return json.dumps(self.outcome).encode()
+
+    def write(self) -> None:
+        """Never raises: a failed write leaves the patch to the locked path, which meets it again."""
+        try:
+            workspace.fill(self.fd, self.data, self.metadata)
+            self.written = True
+        except Exception:  # the reply to the start must still be read
+            log.warning("a prepared patch could not be written; applying it the locked way", exc_info=True)
+
+    def commit(self) -> bool:
+        """Put the new bytes in place if the file is still the one read; False if it is not."""
+        if not self.written or workspace.identity(self.dir_fd, self.name) != self.read_id:
+            return False
+        workspace.link_in(self.fd, self.dir_fd, self.name)
+        return True
+
+
 class PatchApplier:
     """Applies one patch call; safe to run again for the same task after a redelivery.
 
@@ -49,6 +95,7 @@ class PatchApplier:
         self.intent_ttl_s = intent_ttl_s
         self._acquire = client.register_script(_ACQUIRE)
         self.spare = workspace.SpareFile(workspaces)
+        self.spare.restock()  # ready for the process's first patch
         # The file a call replaces (or deletes) stays open until the call has answered. The last
         # close of a file is what frees its blocks: 0.2 ms on ext4, spent inside the rename when
         # nothing holds the old file open, and after the answer when this does.
@@ -65,6 +112,32 @@ class PatchApplier:
         intent = held if held is not None else self._lock(keys.file_lock(tenant, run_id, path), task_id)
         with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
             return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha, intent)
+
+    def prepare(self, stack: ExitStack, ws: Path, path: str, diff: str, base_sha: str) -> Prepared | None:
+        """Work out the patch before the lock is taken, when that is simple: the file (or its
+        absence) is at base_sha, its directory exists, the patch applies and does not delete, and a
+        spare file is ready. Anything else (including every refusal) is None, left to `apply`."""
+        try:
+            patch = patching.parse(diff.encode("utf-8", "surrogateescape"))
+            dir_fd, name = stack.enter_context(workspace.parent_dir(ws, path))
+            current = workspace.read(dir_fd, name, keep_open=self.replaced)
+            if patch.deletes or (git_blob_sha(current.data) if current.data is not None else ZERO_SHA) != base_sha:
+                return None
+            new_data = patching.apply(current.data or b"", patch)
+        except (RunwardenError, UnicodeEncodeError, OSError):
+            return None
+        fd = self.spare.take_nameless(dir_fd)
+        if fd is None:
+            return None
+        stack.callback(os.close, fd)
+        outcome = {"path": path, "base_sha": base_sha, "new_sha": git_blob_sha(new_data),
+                   "created": current.data is None, "deleted": False}
+        read_id = None if current.data is None else _identity_of(self.replaced[-1])  # the file read, held open
+        return Prepared(dir_fd, name, read_id, new_data, workspace.new_file_metadata(dir_fd, current), fd, outcome)
+
+    def forget_intent(self, task_id: str) -> None:
+        """Drop an intent recorded for a prepared patch that was not committed."""
+        self.client.delete(keys.patch_intent(task_id))
 
     def after_answer(self) -> None:
         """Work that need not delay a patch's answer: let the replaced file go, make the next spare."""
@@ -141,3 +214,7 @@ class PatchApplier:
                 connection.disconnect()
             pool.release(connection)
 
+
+def _identity_of(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +25,7 @@ from shared.keys import Status
 from shared.records import Records, exit_event
 from shared.settings import Settings
 from workers import workspace
-from workers.files import PatchApplier, read_file as read_file_tool
+from workers.files import PatchApplier, Prepared, read_file as read_file_tool
 from workers.sandbox import Runner
 from workers.shell import ShellCall
 
@@ -76,12 +76,15 @@ class RunwardenTask(Task):
         return context
 
     def file_call(self, call: dict[str, Any], tool: Callable[[bytes | None], dict[str, Any]],
-                  lock: str | None = None) -> dict[str, Any]:
+                  lock: str | None = None, prepared: Prepared | None = None) -> dict[str, Any]:
         """Run a file tool once per call, even when its message is delivered again. `lock` is
         taken with the start if free (the tool gets the task's earlier intent, else None and waits
-        for it itself) and released with the outcome."""
+        for it itself) and released with the outcome. A `prepared` patch's intent is recorded with
+        the lock, and its bytes written while the start's reply is on its way."""
         records, task_id = self.ctx.records, self.request.id
-        started = records.start(task_id, self.ctx.name, reentrant=True, lock=lock)
+        started = records.start(task_id, self.ctx.name, reentrant=True, lock=lock,
+                                proposed=prepared.intent if prepared else b"",
+                                meanwhile=prepared.write if prepared else None)
         if started.status not in ("running", "cancel"):
             log.info("file call %s not run again: it is %s", task_id, started.status)
             return {"status": started.status}
@@ -140,15 +143,26 @@ def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.apply_file_patch", acks_late=True,
              reject_on_worker_lost=True, ignore_result=True)
 def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
+    patches, p = self.ctx.patches, call["parameters"]
+
     def tool(held: bytes | None) -> dict[str, Any]:
+        if prepared is not None and held == b"":  # the lock is ours, recorded with the prepared intent
+            if prepared.commit():
+                return prepared.outcome
+            patches.forget_intent(self.request.id)  # another patch wrote the file since it was read
         ws = self.ctx.workspace(call["tenant"], call["run_id"])
-        p = call["parameters"]
-        return self.ctx.patches.apply(ws, call["tenant"], call["run_id"], self.request.id,
-                                      p["path"], p["diff"], p["base_sha"], held)
+        return patches.apply(ws, call["tenant"], call["run_id"], self.request.id, p["path"], p["diff"],
+                             p["base_sha"], held)
     try:
-        return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], call["parameters"]["path"]))
+        with ExitStack() as stack:
+            prepared = None
+            with suppress(OSError):  # then the tool meets the same failure, and it is recorded
+                ws = self.ctx.workspace(call["tenant"], call["run_id"])
+                prepared = patches.prepare(stack, ws, p["path"], p["diff"], p["base_sha"])
+            return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], p["path"]),
+                                  prepared=prepared)
     finally:
-        self.ctx.patches.after_answer()
+        patches.after_answer()
 
 
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False,

@@ -146,6 +146,13 @@ class SpareFile:
             if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 self.usable = False  # this filesystem (or kernel) has no O_TMPFILE
 
+    def take_nameless(self, dir_fd: int) -> int | None:
+        """The spare itself, still nameless, if it is on the filesystem of `dir_fd` (else it stays)."""
+        if self.fd is None or os.fstat(self.fd).st_dev != os.fstat(dir_fd).st_dev:
+            return None
+        fd, self.fd = self.fd, None
+        return fd
+
     def take(self, dir_fd: int, name: str) -> int | None:
         """Link the spare in as `name`, never over an existing entry; its fd, or None if there is no
         spare or the workspace is on another filesystem."""
@@ -159,39 +166,83 @@ class SpareFile:
         return fd
 
 
+def identity(dir_fd: int, name: str) -> tuple[int, int] | None:
+    """(device, inode) of what `name` holds now, None if nothing. Opened, not stat'ed, so that a
+    network filesystem looks the name up again (close-to-open), as reading it did."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return (-1, -1)  # a symlink, or nothing readable: not the file that was read
+    try:
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino)
+    finally:
+        os.close(fd)
+
+
+def new_file_metadata(dir_fd: int, like: FileState) -> tuple[int, int, int]:
+    """Mode, uid and gid for the file replacing `like`: its own, or for a new file the directory's owner."""
+    if like.data is not None:
+        return like.mode, like.uid, like.gid
+    st_dir = os.fstat(dir_fd)
+    return 0o644, st_dir.st_uid, st_dir.st_gid
+
+
+def fill(fd: int, data: bytes, like: tuple[int, int, int]) -> None:
+    """Write `data` to the empty file `fd`, give it `like`'s mode and owner, and flush it to disk."""
+    mode, uid, gid = like
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    if os.geteuid() == 0:
+        os.fchown(fd, uid, gid)
+    os.fchmod(fd, mode)
+    os.fsync(fd)
+
+
+def _temp_name(name: str) -> str:
+    return f".{name[:200]}.rw-{secrets.token_hex(6)}.tmp"
+
+
 def replace(dir_fd: int, name: str, data: bytes, like: FileState,
             before_rename: Callable[[], None] = lambda: None, spare: SpareFile | None = None) -> None:
     """Atomically put `data` at `name`, keeping the old file's mode and owner (or the directory's).
     `before_rename` runs once the bytes are on disk, just before they replace the file; the temp
     file is `spare`, when one is ready."""
-    tmp = f".{name[:200]}.rw-{secrets.token_hex(6)}.tmp"
-    if like.data is None:
-        st_dir = os.fstat(dir_fd)
-        mode, uid, gid = 0o644, st_dir.st_uid, st_dir.st_gid
-    else:
-        mode, uid, gid = like.mode, like.uid, like.gid
+    tmp = _temp_name(name)
     fd = spare.take(dir_fd, tmp) if spare else None
     if fd is None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if os.geteuid() == 0:
-                os.fchown(fd, uid, gid)
-            os.fchmod(fd, mode)
-            os.fsync(fd)
+            fill(fd, data, new_file_metadata(dir_fd, like))
         finally:
             os.close(fd)
         before_rename()
     except BaseException:
         os.unlink(tmp, dir_fd=dir_fd)
         raise
+    _rename_in(tmp, dir_fd, name)
+
+
+def link_in(fd: int, dir_fd: int, name: str) -> None:
+    """Atomically put the nameless file `fd`, already filled (see `fill`), at `name`."""
+    tmp = _temp_name(name)
+    os.link(f"/proc/self/fd/{fd}", tmp, dst_dir_fd=dir_fd)  # the way open(2) documents for O_TMPFILE
+    _rename_in(tmp, dir_fd, name)
+
+
+def _rename_in(tmp: str, dir_fd: int, name: str) -> None:
     # The data is on disk before the rename, so no crash exposes an empty or partial file; the
     # rename itself is atomic for every reader. (No directory fsync: it buys durability of the
     # rename across power loss, not atomicity, at the cost of a second disk flush per patch.)
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    try:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def delete(dir_fd: int, name: str) -> None:
