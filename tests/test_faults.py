@@ -216,19 +216,27 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
                         "the worker to start writing its new file", 0.0005)
     nameless = nameless_file_size(pair, victim)
     if moment == "after_replace":
-        # The intent is recorded with the lock, before the new file is renamed in.
-        wait_until(lambda: pair.redis.exists(keys.patch_intent(task_id)), 4, "the intent", 0.0005)
+        # Writes held from now on: the start (the lock and the intent) ran before the new bytes
+        # were written, and the finish, which would come after the rename, waits.
         pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
         try:
+            assert pair.redis.exists(keys.patch_intent(task_id))
             wait_until(lambda: git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha, 4,
                        "the rename", 0.005)
             os.kill(victim, signal.SIGKILL)
-            assert task_field(pair, task_id, "status") == "running"  # the outcome was never recorded
+            # Its finish may already wait in Redis, paused; Redis would still run it on UNPAUSE.
+            # Dropping the dead child's connections drops it, so the outcome is never recorded.
+            for client in pair.redis.client_list():
+                if client["name"] == f"runwarden-pool-{victim}":
+                    pair.redis.client_kill_filter(_id=client["id"])
+            assert task_field(pair, task_id, "status") == "running"
         finally:
             pair.redis.execute_command("CLIENT", "UNPAUSE")
     else:
         os.kill(victim, signal.SIGKILL)
-        assert task_field(pair, task_id, "status") == "running"  # the lock is held, the intent recorded
+        # The start was sent before the write began: the lock is held, the intent recorded.
+        wait_until(lambda: task_field(pair, task_id, "status") == "running", 2, "the start")
+        assert pair.redis.exists(keys.patch_intent(task_id))
     killed_at = time.monotonic()
     leftovers = temp_file()
     print(f"\n[faults] patch {moment}: SIGKILL pid {victim}; temp file left: "
@@ -250,6 +258,8 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     assert sha_final in (old_sha, new_sha)
     if final["status"] == "completed":
         assert final["result"]["new_sha"] == new_sha == sha_final
+    if moment == "after_replace":
+        assert task_field(pair, task_id, "attempts") == "2"  # the redelivery found its own write
 
     # Retries with the same key and the same request: the patch never applies twice.
     for _ in range(2):
