@@ -2,15 +2,21 @@
 Idempotency-Key rules, schema errors with JSON pointers, size limits, and a small fuzz."""
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import random
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 import requests
+
+from workers.patching import git_blob_sha
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -376,6 +382,47 @@ def test_logs_keep_no_file_contents_or_command_output(agent) -> None:
     logs = "".join(log.read_text(errors="replace") for log in agent.stack.logs.glob("*.log"))
     assert f"{shell['task_id']}] succeeded" in logs  # the line is there, without the payload
     assert in_file not in logs and in_output not in logs
+
+
+def _task_events(pubsub: redis.client.PubSub, task_id: str, types: set[str], timeout_s: float = 15) -> dict[str, Any]:
+    """Celery task events for `task_id` as Flower receives them (kombu's fanout over pub/sub)."""
+    found: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(found) != types and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)
+        if not message or message["type"] != "pmessage":
+            continue
+        envelope = json.loads(message["data"])
+        body = base64.b64decode(envelope["body"]) if envelope["properties"].get("body_encoding") == "base64" \
+            else envelope["body"].encode()
+        for event in (lambda e: e if isinstance(e, list) else [e])(json.loads(body)):
+            if event.get("uuid") == task_id and event.get("type") in types:
+                found[event["type"]] = event
+    return found
+
+
+def test_task_events_show_who_and_what_never_the_diff_or_command(agent, tmp_path: Path) -> None:
+    """Flower shows the args that task events carry: for runwarden a summary of the call, never a
+    diff's or a command's text."""
+    in_diff, in_command = (f"secret-{uuid.uuid4().hex}" for _ in range(2))
+    agent.write("s.txt", b"old\n")
+    diff = f"--- a/s.txt\n+++ b/s.txt\n@@ -1 +1 @@\n-old\n+{in_diff}\n"
+    pubsub = agent.stack.redis.pubsub()
+    pubsub.psubscribe("*celeryev*")
+    try:
+        patch = agent.call("apply_file_patch", {"path": "s.txt", "diff": diff, "base_sha": git_blob_sha(b"old\n")})
+        assert patch.status_code == 200, patch.text
+        events = _task_events(pubsub, patch.json()["task_id"], {"task-sent", "task-received"})
+        shell = agent.shell(f"echo {in_command}", wait=30).json()
+        events_shell = _task_events(pubsub, shell["task_id"], {"task-sent", "task-received"})
+    finally:
+        pubsub.close()
+    assert set(events) == set(events_shell) == {"task-sent", "task-received"}
+    for event in events.values():
+        assert "'path': 's.txt'" in event["args"] and f"'tenant': '{agent.tenant}'" in event["args"]
+        assert in_diff not in json.dumps(event)
+    for event in events_shell.values():
+        assert "'tool_name': 'execute_shell_command'" in event["args"] and in_command not in json.dumps(event)
 
 
 def test_metrics_labels_do_not_echo_client_input(stack) -> None:
