@@ -214,12 +214,18 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
 
     victim = wait_until(lambda: new_file_writer(pair, children, task_id, agent.workspace / "big.txt", inode), 30,
                         "the worker to start writing its new file", 0.0005)
+    if moment == "after_replace":
+        # Stopped where it is, mid-write, then Redis writes held: the start (the lock and the
+        # intent) ran before the new bytes were written; the finish, after the rename, will wait.
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
+        finally:
+            os.kill(victim, signal.SIGCONT)
     nameless = nameless_file_size(pair, victim)
     if moment == "after_replace":
-        # Writes held from now on: the start (the lock and the intent) ran before the new bytes
-        # were written, and the finish, which would come after the rename, waits.
-        pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
         try:
+            assert task_field(pair, task_id, "status") == "running", "the write was over before it was seen"
             assert pair.redis.exists(keys.patch_intent(task_id))
             wait_until(lambda: git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha, 4,
                        "the rename", 0.005)
