@@ -5,6 +5,7 @@ asserted with a FormatChecker, and every object is closed with `additionalProper
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from shared.errors import SchemaInvalid
 MAX_PATH = 4096
 MAX_DIFF = 1024 * 1024
 MAX_COMMAND = 65536
+# What a stream's client may send to a running command (`{"type": "signal", "signal": "SIGINT"}`).
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}
 
 _PATH = {
     "type": "string",

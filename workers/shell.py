@@ -18,6 +18,7 @@ import redis
 from shared import keys
 from shared.keys import Status
 from shared.records import exit_event
+from shared.schema import SIGNALS
 from shared.settings import Settings
 from workers.relay import Publisher, StreamCopy
 from workers.sandbox import Process, Runner
@@ -28,8 +29,6 @@ PIPE_BYTES = 1024 * 1024
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 POLL_S = 0.2
 SIGNAL_RETRY_S = 0.002  # while a signal waits for the command to exist (bwrap's set-up: ~5 ms)
-ALLOWED_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL,
-                   "SIGHUP": signal.SIGHUP}
 # A buffer per thread, read into and copied out of: os.read would allocate 128 KiB and shrink it on
 # every read, which fragmented the pool process's heap (its RSS crept up in ~1 MiB steps).
 _buffers = threading.local()
@@ -194,21 +193,20 @@ class ShellCall:
             if order.get("cancel"):
                 run.cancelled = True
                 self._terminate(run)
-            elif order.get("signal") in ALLOWED_SIGNALS:
+            elif order.get("signal") in SIGNALS:
                 self._take_signal(run, order["signal"], order.get("n"))
 
     def _take_signal(self, run: _Run, name: str, place: object) -> None:
         """A signal announced on the control channel, `place` being its number in the call's list."""
         if place is None:  # from an API that keeps no list (an older version, mid-upgrade): as it comes
-            self._queue_signal(run, ALLOWED_SIGNALS[name])
+            self._queue_signal(run, SIGNALS[name])
             return
         if not isinstance(place, int) or place <= run.signals_read:
             return  # taken already, from the list, when the call started
         if place > run.signals_read + 1:
             self._catch_up(run)  # some went by while no one listened: take them all, in order
             return
-        run.signals_read = place
-        self._queue_signal(run, ALLOWED_SIGNALS[name])
+        self._take_listed(run, [name])
 
     def _catch_up(self, run: _Run) -> None:
         listed = self.client.lrange(keys.signals(self.task_id), run.signals_read, -1)
@@ -218,8 +216,8 @@ class ShellCall:
         """The next signals of the call's list, in order."""
         for name in names:
             run.signals_read += 1
-            if name in ALLOWED_SIGNALS:
-                run.pending.append(ALLOWED_SIGNALS[name])
+            if name in SIGNALS:
+                run.pending.append(SIGNALS[name])
         self._deliver(run)
 
     def _queue_signal(self, run: _Run, signum: int) -> None:

@@ -26,7 +26,7 @@ from api.runtime import runtime
 from shared import keys
 from shared.errors import ForbiddenOrigin, NotFound, SchemaInvalid
 from shared.records import Records
-from shared.schema import TOOLS
+from shared.schema import SIGNALS, TOOLS
 
 bp = Blueprint("stream", __name__)
 sock = Sock()
@@ -141,7 +141,6 @@ def _send_text(ws, text: str) -> None:  # type: ignore[no-untyped-def]
 def _receive_signals(ws, records: Records, task_id: str) -> None:  # type: ignore[no-untyped-def]
     """Client → server: `{"type": "signal", "signal": "SIGINT"}` reaches the call's process group,
     also when it is sent before the command has started."""
-    allowed = {"SIGINT", "SIGTERM", "SIGKILL", "SIGHUP"}
     while True:
         try:
             message = ws.receive()
@@ -153,7 +152,7 @@ def _receive_signals(ws, records: Records, task_id: str) -> None:  # type: ignor
             order = json.loads(message)
         except (TypeError, ValueError):
             continue
-        if isinstance(order, dict) and order.get("type") == "signal" and order.get("signal") in allowed:
+        if isinstance(order, dict) and order.get("type") == "signal" and order.get("signal") in SIGNALS:
             try:
                 records.send_signal(task_id, order["signal"])
             except RedisError:
