@@ -476,7 +476,11 @@ def test_prepare_leaves_anything_but_a_plain_patch_to_the_locked_path(prepared_p
     elif case == "missing_directory":
         path, diff, base = "sub/new.txt", "--- /dev/null\n+++ b/sub/new.txt\n@@ -0,0 +1 @@\n+x\n", ZERO_SHA
     elif case == "no_spare":
-        os.close(t.applier.spare.take_nameless(os.open(t.ws, os.O_RDONLY)) or -1)
+        dir_fd = os.open(t.ws, os.O_RDONLY)
+        spare = t.applier.spare.take_nameless(dir_fd)
+        os.close(dir_fd)
+        assert spare is not None
+        os.close(spare)
     else:
         diff = ONE_TWO.replace("-one", "-uno")
     with ExitStack() as stack:

@@ -132,7 +132,7 @@ class PatchApplier:
         stack.callback(os.close, fd)
         outcome = {"path": path, "base_sha": base_sha, "new_sha": git_blob_sha(new_data),
                    "created": current.data is None, "deleted": False}
-        read_id = None if current.data is None else _identity_of(self.replaced[-1])  # the file read, held open
+        read_id = None if current.data is None else workspace.identity_of(self.replaced[-1])  # the file read, held open
         return Prepared(dir_fd, name, read_id, new_data, workspace.new_file_metadata(dir_fd, current), fd, outcome)
 
     def forget_intent(self, task_id: str) -> None:
@@ -213,8 +213,3 @@ class PatchApplier:
             if unread:  # never read: its reply must not reach the connection's next user
                 connection.disconnect()
             pool.release(connection)
-
-
-def _identity_of(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino)

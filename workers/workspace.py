@@ -176,10 +176,15 @@ def identity(dir_fd: int, name: str) -> tuple[int, int] | None:
     except OSError:
         return (-1, -1)  # a symlink, or nothing readable: not the file that was read
     try:
-        st = os.fstat(fd)
-        return (st.st_dev, st.st_ino)
+        return identity_of(fd)
     finally:
         os.close(fd)
+
+
+def identity_of(fd: int) -> tuple[int, int]:
+    """(device, inode) of an open file."""
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
 
 
 def new_file_metadata(dir_fd: int, like: FileState) -> tuple[int, int, int]:
