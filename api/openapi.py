@@ -54,7 +54,7 @@ def tool_call_schema() -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
-    auth = [{"bearer": []}]
+    auth: list[dict[str, list[str]]] = [{"bearer": []}]
     task_id = {"name": "task_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
     return {
         "openapi": "3.1.0",

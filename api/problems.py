@@ -60,7 +60,7 @@ def register(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException) -> Response:
         kind = _HTTP_ERRORS.get(error.code or 500, errors.SchemaInvalid if (error.code or 500) < 500 else errors.Unavailable)
-        problem = kind(error.description if kind is errors.SchemaInvalid else "")
+        problem = kind(error.description or "" if kind is errors.SchemaInvalid else "")
         problem.status = error.code or problem.status
         if kind is errors.PayloadTooLarge:
             _discard_body()

@@ -290,7 +290,7 @@ class Records:
         if meanwhile is None:
             reply = self._start(keys=script_keys, args=args)
         else:
-            reply = overlapped(self.client, ("EVALSHA", self._start.sha, len(script_keys), *script_keys, *args),
+            reply = overlapped(self.client, ("EVALSHA", self._start.sha, len(script_keys), *script_keys, *args),  # type: ignore[attr-defined]
                                meanwhile, lambda: self._start(keys=script_keys, args=args))
         status, _, attempts = reply[0].decode().partition(":")
         found = reply[1] if len(reply) > 1 else None
@@ -353,7 +353,7 @@ class Records:
     def response(self, task_id: str) -> tuple[int, bytes] | None:
         """The HTTP response a worker recorded for the call (file tools), if it has ended."""
         code, body = self.client.hmget(keys.task(task_id), "code", "body")
-        return (int(code), body) if code is not None else None
+        return (int(code), body or b"") if code is not None else None
 
     def wait_done(self, task_id: str, timeout_s: float) -> Ended | None:
         """Block until the call has ended (None at the timeout); in short BLPOPs, below socket timeouts."""

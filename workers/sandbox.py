@@ -30,7 +30,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from shared.errors import SandboxUnavailable
 from workers.cgroups import Cgroups
@@ -292,7 +292,7 @@ class BwrapRunner:
         """Start bwrap (as the unprivileged uid, through setpriv, when we are root); no preexec_fn,
         so subprocess can vfork."""
         bwrap = ["bwrap", "--args", str(options), *command]
-        executable, drop = self.bwrap, {}
+        executable, drop = self.bwrap, dict[str, Any]()
         if self.host_uid is not None and self.setpriv:
             uid = str(self.host_uid)
             bwrap = [self.setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", self._setpriv_bwrap,
