@@ -9,7 +9,7 @@ from api import metrics, problems
 from api.routes import meta, stream, tool_calls
 from api.runtime import Runtime
 from shared.settings import Settings
-from workers.celery_app import create_celery
+from shared.celery_app import create_celery
 
 MAX_CLIENT_MESSAGE = 4096
 

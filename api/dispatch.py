@@ -24,7 +24,6 @@ from shared.records import Ended
 from shared.schema import ToolCall
 from shared.tokens import Grant
 
-SHELL = "execute_shell_command"
 MAX_PREFER_WAIT_S = 60
 
 
@@ -63,7 +62,7 @@ def authorize(call: ToolCall, grant: Grant) -> ToolCall:
     if "path" in params:
         params["path"] = paths.normalize(params["path"])
         grant.require_path(params["path"])
-    if call.tool_name == SHELL:
+    if call.tool.streams:
         if "cwd" in params:
             params["cwd"] = paths.normalize(params["cwd"], allow_root=True)
             if params["cwd"] and not paths.path_allowed(grant.allowed_paths, params["cwd"]):
@@ -92,7 +91,7 @@ def submit(rt: Runtime, accepted: Accepted) -> Response:
     call, grant = accepted.call, accepted.grant
     fp = fingerprint(grant.run_id, call.tool_name, call.call_id, call.parameters)
     ids = {"task_id": accepted.task_id, "call_id": call.call_id, "tool_name": call.tool_name}
-    shell = call.tool_name == SHELL
+    shell = call.tool.streams
     accepted_body = json.dumps({**ids, "status": Status.QUEUED.value, "stream_url": stream_url(accepted.task_id)},
                                ensure_ascii=False, separators=(",", ":")).encode() if shell else None
     existing = rt.idempotency.claim(
@@ -113,7 +112,7 @@ def _enqueue(rt: Runtime, accepted: Accepted) -> None:
         # ignore_result: the answer comes from runwarden's own records. Without it, Celery's Redis
         # backend subscribes this process to the task's result channel on every send, and
         # unsubscribes when the AsyncResult is collected: ~0.6 ms of API CPU a call (about 10 %).
-        rt.celery.send_task(f"runwarden.{accepted.call.tool_name}", args=[accepted.message()],
+        rt.celery.send_task(accepted.call.tool.task_name, args=[accepted.message()],
                             task_id=accepted.task_id, ignore_result=True, argsrepr=accepted.summary(),
                             kwargsrepr="{}")
     except (OperationalError, RedisError, OSError):

@@ -18,7 +18,7 @@ from wsproto.events import TextMessage
 
 from bench.names import END, FLOOR_QUEUE, SANDBOX_TASK, channel
 from shared.settings import Settings
-from workers.celery_app import PING_TASK, create_celery
+from shared.celery_app import PING_TASK, create_celery
 
 def create_app() -> Flask:
     settings = Settings.from_env()

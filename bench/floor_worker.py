@@ -12,7 +12,7 @@ import redis
 from bench import floor_sandbox
 from bench.names import SANDBOX_TASK
 from shared.settings import Settings
-from workers.celery_app import create_celery
+from shared.celery_app import create_celery
 
 settings = Settings.from_env()
 celery = create_celery(settings)

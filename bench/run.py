@@ -122,7 +122,7 @@ class Bench:
         self.floor = Http(bench.floor_url)
         self.sandbox = floor_sandbox.build(bench.settings, bench.root / "floor")
         self.spare = workspace.SpareFile(bench.settings.workspaces)
-        from workers.celery_app import create_celery
+        from shared.celery_app import create_celery
         self.celery = create_celery(bench.settings)
         self.samples: dict[str, list[float]] = {name: [] for name in LABELS}
         self.errors: dict[str, dict[str, Any]] = {}

@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from shared import keys
 from shared.keys import Status
+from shared.schema import TOOLS
 
 LOCK_TTL_MS = 60_000  # a file lock a task holds; a dead worker's lock is taken over or expires
 
@@ -329,7 +330,7 @@ class Records:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
         replays the cancelled record), or flag a running one; returns the status found."""
         result = {"code": "cancelled", "message": "Cancelled before it started."}
-        shell = view.tool_name == "execute_shell_command"
+        shell = TOOLS[view.tool_name].streams
         exit_json = exit_event(Status.CANCELLED) if shell else ""
         body = "" if shell else json.dumps({**view.public(), "status": Status.CANCELLED.value, "result": result},
                                            ensure_ascii=False, separators=(",", ":"))

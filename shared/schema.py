@@ -12,6 +12,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from shared.errors import SchemaInvalid
+from shared.keys import FILE_QUEUE, SHELL_QUEUE
 
 MAX_PATH = 4096
 MAX_DIFF = 1024 * 1024
@@ -29,10 +30,25 @@ _PATH = {
 
 @dataclass(frozen=True)
 class Tool:
+    """A tool as every surface and both sides see it: who may call it, where it runs, its schema."""
+
     name: str
     scope: str
+    queue: str
+    streams: bool  # a shell call: answered 202 with a stream, its output relayed live
     description: str
     parameters: dict[str, Any]
+
+    @property
+    def task_name(self) -> str:
+        """The Celery task that runs it."""
+        return f"runwarden.{self.name}"
+
+    def with_defaults(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        """The parameters with every default of the schema filled in."""
+        defaults = {name: spec["default"] for name, spec in self.parameters["properties"].items()
+                    if "default" in spec}
+        return defaults | parameters
 
 
 TOOLS: dict[str, Tool] = {
@@ -41,6 +57,8 @@ TOOLS: dict[str, Tool] = {
         Tool(
             name="read_file",
             scope="files:read",
+            queue=FILE_QUEUE,
+            streams=False,
             description="Read a file of the workspace. Returns its bytes (UTF-8 text or base64) and its git blob SHA.",
             parameters={
                 "type": "object",
@@ -52,6 +70,8 @@ TOOLS: dict[str, Tool] = {
         Tool(
             name="apply_file_patch",
             scope="files:write",
+            queue=FILE_QUEUE,
+            streams=False,
             description=(
                 "Apply a unified diff to one file, exactly, only if the file's git blob SHA is base_sha "
                 "(forty zeros: the file must not exist yet). '+++ /dev/null' deletes the file."
@@ -72,6 +92,8 @@ TOOLS: dict[str, Tool] = {
         Tool(
             name="execute_shell_command",
             scope="shell:exec",
+            queue=SHELL_QUEUE,
+            streams=True,
             description=(
                 "Run a bash command in a fresh sandbox whose working directory is the workspace. "
                 "Output streams over WebSocket; the result holds exit code, byte counts and sha256."
@@ -141,10 +163,8 @@ def parse_tool_call(body: Any) -> ToolCall:
         errors += _errors(_PARAMETER_VALIDATORS[body["tool_name"]], body["parameters"], "/parameters")
     if errors:
         raise SchemaInvalid("The tool call does not match its schema.", errors=errors)
-    parameters = dict(body["parameters"])
-    if body["tool_name"] == "execute_shell_command":
-        parameters.setdefault("timeout_ms", 30000)
-    return ToolCall(body["tool_name"], body["call_id"], parameters)
+    tool = TOOLS[body["tool_name"]]
+    return ToolCall(tool.name, body["call_id"], tool.with_defaults(body["parameters"]))
 
 
 def tool_definitions() -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Entry point for `celery -A workers.worker worker`: settings read once, the app built, tasks registered."""
 from shared.settings import Settings
-from workers.celery_app import create_celery
+from shared.celery_app import create_celery
 from workers.lifecycle import connect_worker_signals
 
 celery = create_celery(Settings.from_env(require_jwt=False))

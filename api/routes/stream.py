@@ -21,7 +21,6 @@ from redis import RedisError
 from wsproto.events import TextMessage
 
 from api.auth import authenticate
-from api.dispatch import SHELL
 from api.runtime import runtime
 from shared import keys
 from shared.errors import ForbiddenOrigin, NotFound, SchemaInvalid
@@ -48,9 +47,9 @@ def check_handshake() -> None:
     grant = authenticate(allow_subprotocol=True)
     task_id = (request.view_args or {}).get("task_id", "")
     view = runtime().records.get(task_id) if len(task_id) <= 64 else None
-    if view is None or view.tenant != grant.tenant or view.run_id != grant.run_id or view.tool_name != SHELL:
+    if view is None or view.tenant != grant.tenant or view.run_id != grant.run_id or not TOOLS[view.tool_name].streams:
         raise NotFound("No such stream.")
-    grant.require_scope(TOOLS[SHELL].scope)
+    grant.require_scope(TOOLS[view.tool_name].scope)
     g.grant, g.after_seq = grant, _after_seq()
 
 

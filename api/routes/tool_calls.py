@@ -88,7 +88,7 @@ def _owned_task(task_id: str, grant: Grant) -> TaskView:
 
 def _view_body(view: TaskView) -> dict[str, object]:
     body = view.public()
-    if view.tool_name == dispatch.SHELL:
+    if TOOLS[view.tool_name].streams:
         body["stream_url"] = dispatch.stream_url(view.task_id)
     return body
 
@@ -97,7 +97,7 @@ def _view_body(view: TaskView) -> dict[str, object]:
 def show(task_id: str) -> Response:
     grant = authenticate()
     view = _owned_task(task_id, grant)
-    if view.status.value == "running" and view.tool_name == dispatch.SHELL and runtime().records.reap(task_id):
+    if view.status.value == "running" and TOOLS[view.tool_name].streams and runtime().records.reap(task_id):
         view = _owned_task(task_id, grant)
     return json_response(_view_body(view))
 

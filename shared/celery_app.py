@@ -11,10 +11,9 @@ from __future__ import annotations
 from celery import Celery
 
 from shared import keys
+from shared.schema import TOOLS
 from shared.settings import Settings
 
-FILE_TASKS = ("runwarden.read_file", "runwarden.apply_file_patch")
-SHELL_TASK = "runwarden.execute_shell_command"
 PING_TASK = "runwarden.ping"
 
 
@@ -28,8 +27,7 @@ def create_celery(settings: Settings) -> Celery:
         result_accept_content=["json"],
         task_default_queue=keys.FILE_QUEUE,
         task_routes={
-            **{name: {"queue": keys.FILE_QUEUE} for name in FILE_TASKS},
-            SHELL_TASK: {"queue": keys.SHELL_QUEUE},
+            **{tool.task_name: {"queue": tool.queue} for tool in TOOLS.values()},
             PING_TASK: {"queue": keys.FILE_QUEUE},
         },
         task_create_missing_queues=True,
