@@ -1,7 +1,8 @@
-"""The path from an accepted request to an enqueued task, in one place.
+"""The path every surface takes from a validated call to its outcome, in one place.
 
-authorize → fingerprint → claim → enqueue → answer. Quotas, fair scheduling and audit hook in
-here (before `claim`), so every tool call passes them the same way.
+authorize → fingerprint → claim → enqueue, then the surface's answer: REST at once or after
+`Prefer: wait` (`submit`); the model-native formats and MCP once the call has ended (`run_to_end`).
+Quotas, fair scheduling and audit hook in here (before `claim`), so every call passes them alike.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from shared import commands, paths
 from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
 from shared.idempotency import Existing, fingerprint
 from shared.keys import Status
-from shared.records import Ended
+from shared.records import Ended, TaskView
 from shared.schema import ToolCall
 from shared.tokens import Grant
 
 MAX_PREFER_WAIT_S = 60
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -87,24 +89,60 @@ def prefer_wait() -> int | None:
     return None
 
 
-def submit(rt: Runtime, accepted: Accepted) -> Response:
+def accepted_body(accepted: Accepted) -> bytes | None:
+    """A shell call's 202 answer, recorded with the claim (a retry while it runs gets its stream_url)."""
+    if not accepted.call.tool.streams:
+        return None
+    ids = {"task_id": accepted.task_id, "call_id": accepted.call.call_id, "tool_name": accepted.call.tool_name}
+    return json.dumps({**ids, "status": Status.QUEUED.value, "stream_url": stream_url(accepted.task_id)},
+                      ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def claim(rt: Runtime, accepted: Accepted, body_202: bytes | None) -> Existing | None:
+    """Claim the key and enqueue the call (None), or the earlier call with this key, which is the
+    same request (a key reused for another request is refused here)."""
     call, grant = accepted.call, accepted.grant
     fp = fingerprint(grant.run_id, call.tool_name, call.call_id, call.parameters)
-    ids = {"task_id": accepted.task_id, "call_id": call.call_id, "tool_name": call.tool_name}
-    shell = call.tool.streams
-    accepted_body = json.dumps({**ids, "status": Status.QUEUED.value, "stream_url": stream_url(accepted.task_id)},
-                               ensure_ascii=False, separators=(",", ":")).encode() if shell else None
     existing = rt.idempotency.claim(
         tenant=grant.tenant, key=accepted.key, fp=fp, run_id=grant.run_id, call_id=call.call_id,
         tool_name=call.tool_name, created_ms=int(time.time() * 1000),
-        accepted=(202, accepted_body) if accepted_body else None, jti=grant.jti,
+        accepted=(202, body_202) if body_202 else None, jti=grant.jti,
     )
+    if existing is None:
+        _enqueue(rt, accepted)
+        return None
+    if existing.fingerprint != fp:
+        raise IdempotencyKeyReused("This Idempotency-Key was used for a different request.",
+                                   task_id=existing.task_id)
+    return existing
+
+
+def submit(rt: Runtime, accepted: Accepted) -> Response:
+    """The REST answer: 202 at once (shell, or a file call slower than the wait), or the outcome."""
+    call = accepted.call
+    ids = {"task_id": accepted.task_id, "call_id": call.call_id, "tool_name": call.tool_name}
+    body_202 = accepted_body(accepted)
+    existing = claim(rt, accepted, body_202)
     if existing is not None:
-        return _retry(existing, fp, ids, shell)
-    _enqueue(rt, accepted)
-    if shell:
-        return _answer_shell(rt, accepted, ids, accepted_body or b"")
+        return _retry(existing, ids, call.tool.streams)
+    if body_202 is not None:
+        return _answer_shell(rt, accepted, ids, body_202)
     return _answer_file(rt, accepted, ids)
+
+
+def run_to_end(rt: Runtime, accepted: Accepted, body_202: bytes | None, wait_s: float) -> TaskView | None:
+    """The call's final record, for the surfaces that answer with the outcome (model-native, MCP):
+    claimed and run, or the earlier call with this key (still running: waited for). None if it has
+    not ended within `wait_s`."""
+    existing = claim(rt, accepted, body_202)
+    deadline = time.monotonic() + wait_s
+    if existing is None:  # this request enqueued it, so it alone waits on the call's done signal
+        rt.records.wait_done(accepted.task_id, wait_s)
+    while (view := rt.records.get(accepted.task_id)) is not None and not view.status.terminal:
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)  # another request's call: its done signal is that request's to take
+    return view
 
 
 def _enqueue(rt: Runtime, accepted: Accepted) -> None:
@@ -148,10 +186,7 @@ def _answer_shell(rt: Runtime, accepted: Accepted, ids: dict[str, str], accepted
     return json_response(body.encode(), 200, headers={"Preference-Applied": f"wait={wait_s}"})
 
 
-def _retry(existing: Existing, fp: str, ids: dict[str, str], shell: bool) -> Response:
-    if existing.fingerprint != fp:
-        raise IdempotencyKeyReused("This Idempotency-Key was used for a different request.",
-                                   task_id=existing.task_id)
+def _retry(existing: Existing, ids: dict[str, str], shell: bool) -> Response:
     if not existing.done or existing.code is None:
         error = IdempotencyKeyInUse("The first request with this key is still running.", task_id=existing.task_id)
         if shell:
