@@ -34,6 +34,41 @@ _ACCEPTED = {
 }
 
 
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TOOL_USE = {"type": "object", "required": ["type", "id", "name", "input"],
+             "properties": {"type": {"const": "tool_use"}, "id": {"type": "string", "minLength": 1, "maxLength": 256},
+                            "name": {"type": "string", "maxLength": 256}, "input": {"type": "object"}}}
+_TOOL_RESULT = {"type": "object", "required": ["type", "tool_use_id", "content", "is_error"],
+                "properties": {"type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},
+                               "content": {"type": "array", "items": _TEXT_BLOCK}, "is_error": {"type": "boolean"}}}
+_OPENAI_CALL = {"type": "object", "required": ["id", "type", "function"],
+                "properties": {"id": {"type": "string", "minLength": 1, "maxLength": 256}, "type": {"const": "function"},
+                               "function": {"type": "object", "required": ["name", "arguments"],
+                                            "properties": {"name": {"type": "string", "maxLength": 256},
+                                                           "arguments": {"type": "string", "maxLength": 65536}}}}}
+_OPENAI_MESSAGE = {"type": "object", "required": ["role", "tool_call_id", "content"],
+                   "properties": {"role": {"const": "tool"}, "tool_call_id": {"type": "string"},
+                                  "content": {"type": "string"}}}
+MAX_BLOCKS = 64  # as api/routes/tool_use.py
+
+
+def _one_or_many(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"oneOf": [schema, {"type": "array", "minItems": 1, "maxItems": MAX_BLOCKS, "items": schema}]}
+
+
+def _model_native(operation_id: str, block: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A model-native endpoint (contract section 8): the optional key, one block or a turn's array."""
+    return {"post": {
+        "operationId": operation_id, "security": [{"bearer": []}],
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                        "schema": {"type": "string", "pattern": KEY_RE.pattern}}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _one_or_many(block)}}},
+        "responses": {"200": _json(_one_or_many(answer), "the results, in the order sent"),
+                      **_problems(400, 401, 403, 413, 415, 429, 503)},
+    }}
+
+
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -83,6 +118,8 @@ def document() -> dict[str, Any]:
                                          "202": _json(_TASK, "cancellation under way"),
                                          **_problems(401, 403, 404, 503)}},
             },
+            "/v1/tool-use": _model_native("toolUse", _TOOL_USE, _TOOL_RESULT),
+            "/v1/openai/tool-calls": _model_native("openaiToolCalls", _OPENAI_CALL, _OPENAI_MESSAGE),
             "/v1/tools": {"get": {
                 "operationId": "listTools", "security": [],
                 "parameters": [{"name": "format", "in": "query", "required": False,

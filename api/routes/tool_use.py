@@ -18,7 +18,7 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from api import dispatch, native
+from api import dispatch, native, openapi
 from api.auth import authenticate
 from api.problems import json_response
 from api.routes.tool_calls import _parse
@@ -30,7 +30,7 @@ from shared.schema import parse_tool_call
 from shared.tokens import Grant
 
 bp = Blueprint("tool_use", __name__)
-MAX_BLOCKS = 64  # one assistant turn's parallel calls; more is refused, not queued
+MAX_BLOCKS = openapi.MAX_BLOCKS  # one assistant turn's parallel calls; more is refused, not queued
 MAX_ID = 256
 PARALLEL = 16  # threads a turn's blocks run on
 SLACK_S = 30  # beyond the call's own limit, for its time in the queue
