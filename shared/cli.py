@@ -1,4 +1,5 @@
-"""`runwarden dev` (the whole stack on one machine) and `runwarden token mint|revoke`."""
+"""`runwarden dev` (the whole stack on one machine), `runwarden token mint|revoke` and
+`runwarden call read|patch|sh` (the Python client's CLI, `runwarden_client.cli`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from runwarden_client import cli as client_cli
 from shared import devstack, tokens
 from shared.settings import Settings, SettingsError
 
@@ -37,9 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     revoke.add_argument("jti")
     revoke.add_argument("--ttl", type=int, default=3600)
 
+    call = commands.add_parser("call", help="make one tool call: read, patch or sh (RUNWARDEN_URL, RUNWARDEN_TOKEN)")
+    client_cli.add_arguments(call)
+
     args = parser.parse_args(argv)
     if args.command == "dev":
         return run_dev(args)
+    if args.command == "call":
+        return client_cli.run(args)
     if args.token_command == "mint":
         return run_mint(args)
     return run_revoke(args)
