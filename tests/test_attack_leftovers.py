@@ -1,0 +1,110 @@
+"""What workers leave on the host: the per-call cgroups of their pool processes (issue 18 item 9).
+
+A stack of its own, so its workers can be killed and stopped: a pool process killed outright
+leaves its group to the next worker start's sweep, which must spare the groups of live pool
+processes of other workers; a pool process that ends, or a worker that stops, takes its groups
+with it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shared import devstack
+from tests.conftest import ALL_SCOPES, Agent, reachable_workspaces, start_stack
+from workers import cgroups
+
+
+def group_parents() -> list[Path]:
+    """Where runwarden's groups are: one directory on cgroup v2, one per controller on v1."""
+    if (cgroups.CGROUP_ROOT / "cgroup.controllers").exists():
+        return [cgroups.CGROUP_ROOT / cgroups.GROUP]
+    return [cgroups.CGROUP_ROOT / controller / cgroups.GROUP for controller in ("pids", "memory")]
+
+
+def groups_of(pid: int) -> list[Path]:
+    """The group directories of a live process (its name holds the process's start time)."""
+    name = cgroups.group_name(pid)
+    assert name.endswith(tuple("0123456789")), f"{pid} is gone"
+    return [parent / name for parent in group_parents()]
+
+
+def pool_children(main_pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if re.search(rf"^PPid:\s+{main_pid}$", status, re.M):
+            found.append(int(entry))
+    return found
+
+
+def wait(check, what: str, timeout_s: float = 60) -> None:  # type: ignore[no-untyped-def]
+    devstack.wait_for(check, timeout_s, what)
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory):  # type: ignore[no-untyped-def]
+    if os.geteuid() != 0 or not all(parent.parent.is_dir() for parent in group_parents()):
+        pytest.skip("per-call cgroups need a root worker and a writable cgroup hierarchy")
+    workspaces = reachable_workspaces()
+    info = start_stack(tmp_path_factory.mktemp("leftovers"), concurrency=1, RUNWARDEN_WORKSPACES=str(workspaces))
+    if not all(parent.is_dir() for parent in group_parents()):
+        info.stack.stop()
+        pytest.skip("the worker found no cgroups it may write (see its log)")
+    yield info
+    info.stack.stop()
+    shutil.rmtree(workspaces, ignore_errors=True)
+
+
+def shell_ok(agent: Agent) -> None:
+    response = agent.shell("true", wait=30)
+    assert response.status_code == 200 and response.json()["result"]["exit_code"] == 0, response.text
+
+
+def test_dead_pool_processes_leave_no_cgroups(own_stack) -> None:
+    agent = Agent(own_stack, f"t{uuid.uuid4().hex[:10]}", f"r{uuid.uuid4().hex[:8]}", ALL_SCOPES, ["**"])
+    first = next(process for name, process in own_stack.stack.children if name.startswith("w0-"))
+    assert not any(group.exists() for group in groups_of(first.pid))  # the self-test's group went with it
+    wait(lambda: len(pool_children(first.pid)) == 1, "worker A's pool process")
+    [killed] = pool_children(first.pid)
+    shell_ok(agent)  # concurrency 1, one worker: this call ran in `killed`, which made its group
+    dead_groups = groups_of(killed)
+    assert all(group.is_dir() for group in dead_groups)
+
+    os.kill(killed, signal.SIGKILL)
+    wait(lambda: pool_children(first.pid) not in ([], [killed]), "the replacement pool process")
+    [live] = pool_children(first.pid)
+    shell_ok(agent)
+    live_groups = groups_of(live)
+    assert all(group.is_dir() for group in live_groups)
+    assert all(group.is_dir() for group in dead_groups)  # nothing removed the killed one's
+
+    log = own_stack.logs / "worker-b.log"
+    second = devstack.start_worker(own_stack.stack, own_stack.env, concurrency=1, name=f"wb-{uuid.uuid4().hex[:6]}",
+                                   log=log)
+    wait(lambda: log.exists() and " ready." in log.read_text(errors="replace"), "worker B")
+    assert not any(group.exists() for group in dead_groups)  # swept at B's start
+    assert all(group.is_dir() for group in live_groups)  # A's live pool process keeps its own
+
+    # A stops as an orchestrator stops it (SIGTERM to its main process): its pool process ends and
+    # removes its group. B stops as `runwarden dev` does (SIGTERM to its whole process group, which
+    # kills its pool process at once): B sweeps once its pool has stopped.
+    os.kill(first.pid, signal.SIGTERM)
+    first.wait(60)
+    assert not any(group.exists() for group in live_groups)
+    [second_child] = pool_children(second.pid)
+    shell_ok(agent)  # B's now
+    second_groups = groups_of(second_child)
+    assert all(group.is_dir() for group in second_groups)
+    os.killpg(second.pid, signal.SIGTERM)
+    second.wait(60)
+    assert not any(group.exists() for group in second_groups)
