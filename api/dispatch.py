@@ -43,7 +43,7 @@ class Accepted:
             "tenant": self.grant.tenant, "run_id": self.grant.run_id, "idem_key": self.key,
             "call_id": self.call.call_id, "tool_name": self.call.tool_name,
             "parameters": self.call.parameters, "network": "shell:network" in self.grant.scopes,
-            **({"allowed_paths": list(self.grant.allowed_paths)} if self.call.tool_name == SHELL else {}),
+            **({"allowed_paths": list(self.grant.allowed_paths)} if self.call.tool.streams else {}),
         }
 
 
