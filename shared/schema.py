@@ -19,6 +19,14 @@ MAX_COMMAND = 65536
 # What a stream's client may send to a running command (`{"type": "signal", "signal": "SIGINT"}`).
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}
 
+
+def whole(regex: str) -> str:
+    r"""A JSON Schema `pattern` for `regex` over the whole string, with one meaning in ECMA-262 and in
+    Python's `re.search` (which jsonschema uses): there `$` also matches before a final newline, so
+    `^[0-9a-f]{40}$` would accept a SHA followed by "\n". `(?!\n)` after the `$` rules that out."""
+    return f"^(?:{regex})$(?!\\n)"
+
+
 _PATH = {
     "type": "string",
     "minLength": 1,
@@ -62,7 +70,7 @@ TOOLS: dict[str, Tool] = {
                     "path": _PATH,
                     "diff": {"type": "string", "minLength": 1, "maxLength": MAX_DIFF,
                              "description": "Unified diff of this one file."},
-                    "base_sha": {"type": "string", "pattern": "^[0-9a-f]{40}$", "minLength": 40, "maxLength": 40,
+                    "base_sha": {"type": "string", "pattern": whole("[0-9a-f]{40}"), "minLength": 40, "maxLength": 40,
                                  "description": "git blob SHA-1 of the file the diff was written against."},
                 },
                 "required": ["path", "diff", "base_sha"],
@@ -79,7 +87,7 @@ TOOLS: dict[str, Tool] = {
             parameters={
                 "type": "object",
                 "properties": {
-                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND, "pattern": "^[^\\x00]*$",
+                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND, "pattern": whole("[^\\x00]*"),
                                 "description": "Command line run with bash -c (no NUL byte)."},
                     "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 60000, "default": 30000,
                                    "description": "Wall-clock limit; the command gets SIGTERM then SIGKILL."},

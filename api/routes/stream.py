@@ -56,7 +56,7 @@ def check_handshake() -> None:
 
 def _after_seq() -> int:
     raw = request.args.get("after_seq", "0")
-    if not raw.isdigit() or len(raw) > 12:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # str.isdigit() also takes "²" and "٣"
         raise SchemaInvalid("after_seq must be a non-negative integer.",
                             errors=[{"pointer": "/after_seq", "message": "not a non-negative integer"}])
     return int(raw)
