@@ -1,10 +1,11 @@
-"""The tool-call envelope and each tool's parameter schema.
+"""The tool-call envelope and each tool's parameter schema, and how the API reads JSON.
 
 `tool_name` selects the parameter schema (a `oneOf` over shapes would not bind them), formats are
 asserted with a FormatChecker, and every object is closed with `additionalProperties: false`.
 """
 from __future__ import annotations
 
+import json
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,54 @@ class ToolCall:
 
 def _pointer(path: Any, prefix: str = "") -> str:
     return prefix + "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def loads(text: bytes | str) -> Any:
+    """JSON as the API reads every body: UTF-8 text, no lone surrogate, no object with a key twice.
+
+    RFC 8259 leaves a repeated key to the parser, and Python's keeps the last one, so
+    `{"tool_name": "read_file", "tool_name": "execute_shell_command"}` would run what a reader of
+    the first key (a proxy, an audit, a reviewer) does not expect: refused, with each pointer."""
+    repeated: dict[int, tuple[dict[str, Any], str]] = {}  # holding each object keeps its id its own
+
+    def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) < len(pairs):  # rare: only then look for the key
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    repeated[id(obj)] = (obj, key)
+                    break
+                seen.add(key)
+        return obj
+
+    try:
+        body = json.loads(text, object_pairs_hook=no_repeats)
+        # A lone surrogate ("\ud800") is valid JSON but no file name, command or output can hold it.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeError, RecursionError):
+        raise SchemaInvalid("The body is not valid JSON of UTF-8 text.",
+                            errors=[{"pointer": "", "message": "invalid JSON"}]) from None
+    if repeated:
+        raise SchemaInvalid("The body has an object with the same key twice.", errors=_repeated_keys(body, repeated))
+    return body
+
+
+def _repeated_keys(body: Any, repeated: dict[int, tuple[dict[str, Any], str]]) -> list[dict[str, str]]:
+    """The pointer of each repeated member still in `body` (one inside a value that a repeat
+    replaced is gone, but its parent is reported)."""
+    keys = {marked: key for marked, (_, key) in repeated.items()}
+    errors, pending = [], [("", body)]
+    while pending:  # a loop, not recursion: the body may nest as deep as json.loads allows
+        pointer, node = pending.pop()
+        if isinstance(node, dict):
+            if id(node) in keys:
+                key = keys[id(node)]
+                errors.append({"pointer": _pointer([key], pointer), "message": f"duplicate key {key[:100]!r}"})
+            pending.extend((_pointer([key], pointer), value) for key, value in node.items())
+        elif isinstance(node, list):
+            pending.extend((f"{pointer}/{index}", value) for index, value in enumerate(node))
+    return sorted(errors, key=lambda error: error["pointer"])[:20]
 
 
 def _errors(validator: Draft202012Validator, instance: Any, prefix: str = "") -> list[dict[str, str]]:

@@ -655,3 +655,67 @@ def test_schema_patterns_mean_what_ecma_262_means(pattern: str, data: st.DataObj
 def test_patterns_refuse_a_trailing_newline(pattern: str, valid: str) -> None:
     validator = Draft202012Validator({"type": "string", "pattern": pattern})
     assert validator.is_valid(valid) and not validator.is_valid(valid + "\n")
+
+
+# --- issue 18 item 3: a JSON object with a key twice is schema_invalid, wherever it is ---------------
+
+def _raw_call(call_id: str, tool_members: str, parameters: str) -> bytes:
+    return (f'{{{tool_members}, "call_id": "{call_id}", "parameters": {parameters}}}').encode()
+
+
+@pytest.mark.parametrize("body, pointer", [
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "read_file", "tool_name": "execute_shell_command"',
+               '{"command": "touch ran"}'), "/tool_name"),
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "execute_shell_command"',
+               '{"command": "true", "command": "touch ran"}'), "/parameters/command"),
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "execute_shell_command"',
+               '{"command": "touch ran", "timeout_ms": 1000, "timeout_ms": 2000}'), "/parameters/timeout_ms"),
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "execute_shell_command"',
+               '{"command": "touch ran", "cwd": ".", "\\u0063wd": "."}'), "/parameters/cwd"),
+    (b'{"tool_name": "execute_shell_command", "call_id": "%s", "call_id": "%s", "parameters": {"command": "touch ran"}}'
+     % (str(uuid.uuid4()).encode(), str(uuid.uuid4()).encode()), "/call_id"),
+])
+def test_repeated_json_key_is_schema_invalid_and_runs_nothing(agent, body: bytes, pointer: str) -> None:
+    key = uuid.uuid4().hex
+    refused = post(agent, None, raw=body, key=key)
+    problem = assert_problem(refused, 400, "schema_invalid")
+    assert pointer in [error["pointer"] for error in problem["errors"]], problem
+    assert not (agent.workspace / "ran").exists()
+    # Nothing was claimed either: the same key then runs the call it names, once.
+    ran = agent.call("execute_shell_command", {"command": "echo fine"}, key=key,
+                     headers=agent.headers(key, Prefer="wait=30"))
+    assert ran.status_code == 200 and ran.json()["result"]["stdout"] == "fine\n", ran.text
+    assert not (agent.workspace / "ran").exists()
+
+
+def test_repeated_key_deep_inside_is_found(agent) -> None:
+    nested = '{"tool_name": "read_file", "call_id": "%s", "parameters": {"path": "a", "x": [1, {"y": {"z": 1, "z": 2}}]}}'
+    problem = assert_problem(post(agent, None, raw=(nested % uuid.uuid4()).encode()), 400, "schema_invalid")
+    assert [error["pointer"] for error in problem["errors"]] == ["/parameters/x/1/y/z"], problem
+
+
+def test_repeated_key_in_a_stream_order_is_no_order(agent) -> None:
+    """{"signal": "SIGTERM", "signal": "SIGKILL"} is ignored, not read as SIGKILL: the SIGINT after it
+    is the signal the command gets (with the last key winning, SIGKILL would end it first, 137)."""
+    from tests.streams import collect, connect
+    response = agent.shell("trap 'echo got INT; exit 42' INT; echo ready; sleep 30 & wait", wait=None)
+    task_id = response.json()["task_id"]
+    ws = connect(agent, task_id)
+    try:
+        assert collect(ws, limit=1).events[0]["data"] == "ready\n"
+        ws.send('{"type": "signal", "signal": "SIGTERM", "signal": "SIGKILL"}')
+        ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
+        rest = collect(ws)
+    finally:
+        ws.close()
+    assert rest.exit["exit_code"] == 42 and b"got INT" in rest.bytes_of("stdout"), rest.exit
+
+
+def test_json_bodies_are_parsed_in_one_place() -> None:
+    """shared.schema.loads is the API's only JSON reader of what a client sent."""
+    offenders = []
+    for source in sorted((Path(__file__).parent.parent / "api").rglob("*.py")):
+        text = source.read_text()
+        offenders += [f"{source.name}: {needle}" for needle in ("get_json", "json.loads", "request.json", "json.load(")
+                      if needle in text]
+    assert offenders == []
