@@ -85,8 +85,9 @@ def prefer_wait() -> int | None:
     for value in request.headers.getlist("Prefer"):
         for preference in value.split(","):
             name, _, number = preference.strip().partition("=")
-            if name.strip().lower() == "wait" and number.strip().isdigit():
-                return min(int(number.strip()), MAX_PREFER_WAIT_S)
+            number = number.strip()
+            if name.strip().lower() == "wait" and number.isascii() and number.isdigit():  # not "²": int() refuses it
+                return min(int(number), MAX_PREFER_WAIT_S)
     return None
 
 

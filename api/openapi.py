@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.idempotency import KEY_RE
-from shared.schema import TOOLS
+from shared.schema import TOOLS, whole
 
 _PROBLEM = {
     "type": "object",
@@ -104,7 +104,7 @@ def document() -> dict[str, Any]:
                     {"name": "Idempotency-Key", "in": "header", "required": True,
                      "schema": {"type": "string", "pattern": KEY_RE.pattern}},
                     {"name": "Prefer", "in": "header", "required": False,
-                     "schema": {"type": "string", "pattern": "^wait=[0-9]{1,2}$"}},
+                     "schema": {"type": "string", "pattern": whole("wait=[0-9]{1,2}")}},
                 ],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": tool_call_schema()}}},
                 "responses": {"200": _json(_TASK, "the call's result"), "202": _json(_ACCEPTED, "accepted"),

@@ -20,9 +20,10 @@ import redis
 
 from shared import keys
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, RateLimited, Unauthorized
+from shared.schema import whole
 from shared.tokens import REVOKED
 
-KEY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
+KEY_RE = re.compile(whole("[A-Za-z0-9._:-]{1,255}"))  # also the OpenAPI pattern
 
 
 def parse_key(values: list[str]) -> str:
@@ -31,10 +32,10 @@ def parse_key(values: list[str]) -> str:
         raise MissingIdempotencyKey("Send an Idempotency-Key header (a UUID is a good choice).")
     if len(values) > 1:
         raise InvalidIdempotencyKey("Idempotency-Key was sent more than once.")
-    value = values[0].strip()
+    value = values[0].strip(" \t")  # the header's optional whitespace (RFC 9110), not \n or \v
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]
-    if not KEY_RE.match(value):
+    if not KEY_RE.fullmatch(value):
         raise InvalidIdempotencyKey("Idempotency-Key must be 1-255 characters from A-Z a-z 0-9 . _ : -")
     return value
 

@@ -1,10 +1,11 @@
-"""The tool-call envelope and each tool's parameter schema.
+"""The tool-call envelope and each tool's parameter schema, and how the API reads JSON.
 
 `tool_name` selects the parameter schema (a `oneOf` over shapes would not bind them), formats are
 asserted with a FormatChecker, and every object is closed with `additionalProperties: false`.
 """
 from __future__ import annotations
 
+import json
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,14 @@ MAX_DIFF = 1024 * 1024
 MAX_COMMAND = 65536
 # What a stream's client may send to a running command (`{"type": "signal", "signal": "SIGINT"}`).
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}
+
+
+def whole(regex: str) -> str:
+    r"""A JSON Schema `pattern` for `regex` over the whole string, with one meaning in ECMA-262 and in
+    Python's `re.search` (which jsonschema uses): there `$` also matches before a final newline, so
+    `^[0-9a-f]{40}$` would accept a SHA followed by "\n". `(?!\n)` after the `$` rules that out."""
+    return f"^(?:{regex})$(?!\\n)"
+
 
 _PATH = {
     "type": "string",
@@ -82,7 +91,7 @@ TOOLS: dict[str, Tool] = {
                     "path": _PATH,
                     "diff": {"type": "string", "minLength": 1, "maxLength": MAX_DIFF,
                              "description": "Unified diff of this one file."},
-                    "base_sha": {"type": "string", "pattern": "^[0-9a-f]{40}$", "minLength": 40, "maxLength": 40,
+                    "base_sha": {"type": "string", "pattern": whole("[0-9a-f]{40}"), "minLength": 40, "maxLength": 40,
                                  "description": "git blob SHA-1 of the file the diff was written against."},
                 },
                 "required": ["path", "diff", "base_sha"],
@@ -105,7 +114,7 @@ TOOLS: dict[str, Tool] = {
             parameters={
                 "type": "object",
                 "properties": {
-                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND, "pattern": "^[^\\x00]*$",
+                    "command": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND, "pattern": whole("[^\\x00]*"),
                                 "description": "Command line run with bash -c (no NUL byte)."},
                     "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 60000, "default": 30000,
                                    "description": "Wall-clock limit; the command gets SIGTERM then SIGKILL."},
@@ -150,6 +159,54 @@ class ToolCall:
 
 def _pointer(path: Any, prefix: str = "") -> str:
     return prefix + "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def loads(text: bytes | str) -> Any:
+    """JSON as the API reads every body: UTF-8 text, no lone surrogate, no object with a key twice.
+
+    RFC 8259 leaves a repeated key to the parser, and Python's keeps the last one, so
+    `{"tool_name": "read_file", "tool_name": "execute_shell_command"}` would run what a reader of
+    the first key (a proxy, an audit, a reviewer) does not expect: refused, with each pointer."""
+    repeated: dict[int, tuple[dict[str, Any], str]] = {}  # holding each object keeps its id its own
+
+    def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) < len(pairs):  # rare: only then look for the key
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    repeated[id(obj)] = (obj, key)
+                    break
+                seen.add(key)
+        return obj
+
+    try:
+        body = json.loads(text, object_pairs_hook=no_repeats)
+        # A lone surrogate ("\ud800") is valid JSON but no file name, command or output can hold it.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeError, RecursionError):
+        raise SchemaInvalid("The body is not valid JSON of UTF-8 text.",
+                            errors=[{"pointer": "", "message": "invalid JSON"}]) from None
+    if repeated:
+        raise SchemaInvalid("The body has an object with the same key twice.", errors=_repeated_keys(body, repeated))
+    return body
+
+
+def _repeated_keys(body: Any, repeated: dict[int, tuple[dict[str, Any], str]]) -> list[dict[str, str]]:
+    """The pointer of each repeated member still in `body` (one inside a value that a repeat
+    replaced is gone, but its parent is reported)."""
+    keys = {marked: key for marked, (_, key) in repeated.items()}
+    errors, pending = [], [("", body)]
+    while pending:  # a loop, not recursion: the body may nest as deep as json.loads allows
+        pointer, node = pending.pop()
+        if isinstance(node, dict):
+            if id(node) in keys:
+                key = keys[id(node)]
+                errors.append({"pointer": _pointer([key], pointer), "message": f"duplicate key {key[:100]!r}"})
+            pending.extend((_pointer([key], pointer), value) for key, value in node.items())
+        elif isinstance(node, list):
+            pending.extend((f"{pointer}/{index}", value) for index, value in enumerate(node))
+    return sorted(errors, key=lambda error: error["pointer"])[:20]
 
 
 def _errors(validator: Draft202012Validator, instance: Any, prefix: str = "") -> list[dict[str, str]]:

@@ -91,7 +91,7 @@ def _grant(claims: dict[str, Any], settings: Settings) -> Grant:
         if not isinstance(claims.get(name), str) or not claims[name]:
             raise Unauthorized(f"Claim {name!r} must be a non-empty string.")
     for name in ("tenant", "run_id"):
-        if not NAME_RE.match(claims[name]):
+        if not NAME_RE.fullmatch(claims[name]):  # match's $ allows a final \n
             raise Unauthorized(f"Claim {name!r} has characters that are not allowed.")
     for name in ("exp", "iat"):
         if isinstance(claims[name], bool) or not isinstance(claims[name], (int, float)):

@@ -224,3 +224,158 @@ def test_programs_survives_pathological_input() -> None:
             programs(command)
         except CommandForbidden:
             pass
+
+
+# --- issue 18 item 1: a listed name is the system's program, whatever the command sets -------------
+
+from shared.commands import NEVER_ALLOWED  # noqa: E402  (appended section)
+
+# Planted by an earlier call of a token without a policy: a workspace `bin/ls` and `bin/wc` that
+# leave a marker, a shared object whose constructor leaves it, and a file whose name, read as an
+# array subscript by bash, runs `touch pwned`.
+PLANT = r"""set -e
+mkdir -p bin docs sub && echo doc > docs/readme && echo in-sub > sub/f && echo a > a
+printf '#!/bin/sh\n: > "$HOME/pwned"\n' > bin/ls && chmod +x bin/ls && cp bin/ls bin/wc
+printf '%s\n' '#include <stdio.h>' '#include <stdlib.h>' \
+  '__attribute__((constructor)) static void hit(void) {' \
+  '  char path[4096]; snprintf(path, sizeof path, "%s/pwned", getenv("HOME"));' \
+  '  FILE *marker = fopen(path, "w"); if (marker) fclose(marker); }' > x.c
+gcc -shared -fPIC -o x.so x.c
+touch 'q[$(touch pwned)]'
+"""
+LISTED = ["ls", "wc", "cat", "test", "[", "printf", "read"]
+
+# Each one runs the planted code when no policy applies (test_name_attack_works_without_a_policy).
+NAME_ATTACKS = [
+    "PATH=bin ls",
+    "PATH=bin; ls",
+    "PATH=bin\nls",
+    "PATH=$PWD/bin ls",
+    "(PATH=bin; ls)",
+    "echo $(PATH=bin ls)",
+    "ls | PATH=bin wc -l",
+    "export PATH=bin; ls",
+    "for PATH in bin; do ls; done",
+    "LD_PRELOAD=/workspace/x.so ls",
+    "LD_PRELOAD=/workspace/x.so; export LD_PRELOAD; ls",
+    "ls() { ./bin/ls; }; ls",
+    "hash -p bin/ls ls; ls",
+    "printf -v PATH %s bin; ls",
+    "read PATH <<< bin; ls",
+    "test -v q*",
+    "[ -v q* ]",
+    "for f in q*; do echo $[f]; done",
+]
+
+
+@pytest.fixture(scope="module")
+def planted(stack):  # type: ignore[no-untyped-def]
+    """(unrestricted agent, agent limited to LISTED) on one workspace holding the planted files."""
+    from tests.conftest import Agent
+    tenant, run_id = f"t{uuid.uuid4().hex[:10]}", f"r{uuid.uuid4().hex[:8]}"
+    planter = Agent(stack, tenant, run_id, ["shell:exec", "files:read"], ["**"])
+    result = planter.shell(PLANT, wait=60).json()["result"]
+    assert result["exit_code"] == 0, result
+    return planter, Agent(stack, tenant, run_id, ["shell:exec", "files:read"], ["**"], commands=LISTED)
+
+
+@pytest.mark.parametrize("command", NAME_ATTACKS)
+def test_name_attack_works_without_a_policy(planted, command: str) -> None:
+    """The attacks below are real: without allowed_commands each one runs the planted code."""
+    planter, _ = planted
+    marker = planter.workspace / "pwned"
+    try:
+        assert planter.shell(command, wait=60).status_code == 200
+        assert marker.exists(), command
+    finally:
+        planter.shell("rm -f pwned", wait=60)
+
+
+@pytest.mark.parametrize("command", NAME_ATTACKS)
+def test_name_attack_is_command_forbidden(planted, command: str) -> None:
+    planter, limited_agent = planted
+    marker = limited_agent.workspace / "pwned"
+    assert not marker.exists()
+    try:
+        response = limited_agent.shell(command, wait=60)
+        assert response.status_code == 403, (command, response.text)
+        assert response.json()["code"] == "command_forbidden"
+        assert not marker.exists(), f"{command!r} ran the planted code"
+    finally:
+        planter.shell("rm -f pwned", wait=60)
+
+
+@pytest.mark.parametrize("command, stdout", [
+    ("ls -la docs | wc -l", "4\n"),
+    ("ls docs | wc -l", "1\n"),
+    ("cat a > b; cat b", "a\n"),
+    ("for f in a docs/readme; do cat \"$f\"; done", "a\ndoc\n"),
+    ("cd sub && ls", "f\n"),
+    ("cd bin; ls", "ls\nwc\n"),  # PATH never holds the workspace, so this is the system's ls
+    ("x=docs; ls $x", "readme\n"),
+    ("read -r line < a; echo \"$line\"", "a\n"),
+    ("[ -f a ] && printf '%s\\n' yes; test -d bin && echo dir", "yes\ndir\n"),
+    ("ls PATH=bin 2>/dev/null; echo $?", "2\n"),  # an argument, not an assignment
+    ("cat <<EOF\n$HOME\nEOF", "/workspace\n"),
+])
+def test_listed_programs_run_beside_planted_ones(planted, command: str, stdout: str) -> None:
+    _, limited_agent = planted
+    response = limited_agent.shell(command, wait=60)
+    assert response.status_code == 200, (command, response.text)
+    result = response.json()["result"]
+    assert (result["exit_code"], result["stdout"]) == (0, stdout), (command, result)
+    assert not (limited_agent.workspace / "pwned").exists()
+
+
+def test_refusal_says_how_to_pass_values(planted) -> None:
+    _, limited_agent = planted
+    detail = limited_agent.shell("PATH=bin ls", wait=None).json()["detail"]
+    assert "environment" in detail and "arguments" in detail, detail
+    detail = limited_agent.shell("PATH=bin; ls", wait=None).json()["detail"]
+    assert "lowercase" in detail and "'PATH'" in detail, detail
+
+
+@pytest.mark.parametrize("command", [
+    "PAGER=bin/x; git log", "GIT_PAGER=bin/x git log", "GIT_EXEC_PATH=bin git status", "EDITOR=bin/x git commit",
+    "PYTHONPATH=. python3 -c 1", "NODE_OPTIONS=--require=./x node", "BASH_ENV=x bash", "ENV=x sh", "IFS=/; ls",
+    "GCONV_PATH=. ls", "x=1 ls", "a=1 b=2 ls", "ls; (cd d; Path=bin; ls)", "echo \"$(LANG=x ls)\"", "echo `PATH=bin ls`",
+    "PATH+=:bin; ls", "for GIT_PAGER in bin/x; do git log; done", "for X in 1; do ls; done",
+    "function ls { cat; }; ls", "f() { ls; }", "export x", "declare x=1", "local x", "readonly x", "typeset x",
+    "unset PATH", "set -a", "shopt -s expand_aliases", "enable -n test", "alias ls=cat", "wait -p PATH",
+    "mapfile lines < f", "getopts a opt", "let x=1", "source f", ". f", "eval ls", "exec ls", "command ls",
+    "builtin cd", "trap ls EXIT", "compgen -C ls x", "jobs -x ls",
+    "printf -v x %s 1", "printf -vx %s 1", "printf '-v' x 1", "printf \\-v x 1", "printf $(echo -v) x 1",
+    "printf \"$f\" x", "read PATH", "read -a PATH", "read \"$x\"", "read a\\[\\$\\(id\\)\\]", "read Line",
+    "test -v x", "test '-v' x", "[ -v x ]", "test \"$a\" \"$b\"", "[ \"$a\" \"$b\" \"$c\" ]", "[ -f $f ]", "[ -f * ]",
+    "[ -f x", "test $(echo -v) x", "[ ! \"$a\" \"$b\" ]", "[ \"$@\" x ]", "echo `test \\\\-v x`",
+    "echo `printf \\\\-v PATH x; ls`", "echo $[x]", "for f in *; do echo $[f]; done",
+    "for f in *; do [ \"$f\" \"$f\" ]; done",
+])
+def test_check_refuses_what_changes_resolution_or_loading(command: str) -> None:
+    with pytest.raises(CommandForbidden):
+        check(command, tuple(ALLOWED + ["git", "python3", "node", "bash", "sh", "test", "[", "printf", "read"]
+                             + sorted(NEVER_ALLOWED)))
+
+
+@pytest.mark.parametrize("command", [
+    "x=1; echo $x", "x_2+=y; ls", "for f in *; do cat \"$f\"; done", "read -r line < f", "read -a parts -d , x",
+    "printf '%s\\n' a", "printf \"%s: $x\\n\" a", "printf -- -v", "printf '\\n'", "[ -f \"$f\" ]", "[ \"$x\" = y ]",
+    "[ ! -e \"$f\" ]", "test -n \"$(ls)\"", "[ -e a -a -e b ]", "[ \\( -f a \\) ]", "ls > out 2>&1", "cat < f | cat",
+    "cd sub && ls", "echo PATH=bin", "ls PATH=bin", "cat <<EOF\n$HOME\nEOF",
+])
+def test_check_allows_ordinary_use_of_listed_programs(command: str) -> None:
+    check(command, tuple(ALLOWED + ["test", "[", "printf", "read"]))
+
+
+def test_never_allowed_builtins_are_not_harmless() -> None:
+    assert not NEVER_ALLOWED & HARMLESS_BUILTINS
+    for name in ("export", "declare", "typeset", "readonly", "local", "set", "shopt", "hash", "enable", "alias",
+                 "source", ".", "eval", "exec", "command", "builtin", "unset", "mapfile", "getopts", "trap"):
+        assert name in NEVER_ALLOWED, name
+
+
+def test_sandbox_exports_no_lowercase_variable() -> None:
+    """Lowercase variables may be set under a policy because bash exports none of them: the sandbox's
+    environment must never hold one (a lowercase `x=…` would then reach every program)."""
+    from workers.sandbox import environment
+    assert all(any(c.isupper() for c in name) for name in environment()), environment()

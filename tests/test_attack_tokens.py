@@ -275,3 +275,13 @@ def test_rs256_stack_refuses_algorithm_confusion(rs_stack, stack, attack: str) -
     response = post_read(info, f"Bearer {token}")
     assert_unauthorized(response, info.secret)
     assert public_pem.decode() not in response.text
+
+
+# --- issue 18 item 2: `$` in Python's re.match also matches before a final newline ------------------
+
+@pytest.mark.parametrize("claim, value", [("tenant", "A\n"), ("run_id", "r1\n"), ("tenant", "\nA"),
+                                          ("run_id", "r1\n\n")])
+def test_name_claim_with_a_newline_is_401(stack, claim: str, value: str) -> None:
+    response = post_read(stack, "Bearer " + _hs(stack.secret.encode(), **{claim: value}))
+    assert_unauthorized(response, stack.secret)
+    assert not any("\n" in path.name for path in stack.workspaces.rglob("*")), "a workspace was named with \\n"

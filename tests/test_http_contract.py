@@ -539,3 +539,183 @@ def test_fuzzed_bodies_never_cause_a_server_error(agent) -> None:
         if not ok:
             failures.append((index, raw[:60], response.status_code, response.text[:200]))
     assert failures == [], failures
+
+
+# --- issue 18 item 2: patterns mean the whole value, trailing newline included -----------------------
+
+import socket  # noqa: E402  (appended section)
+
+import jsonschema_rs  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+from jsonschema import Draft202012Validator  # noqa: E402
+
+from api import openapi  # noqa: E402
+from shared.errors import InvalidIdempotencyKey  # noqa: E402
+from shared.idempotency import parse_key  # noqa: E402
+from shared.schema import TOOLS  # noqa: E402
+
+
+def raw_exchange(stack, request_bytes: bytes) -> bytes:  # type: ignore[no-untyped-def]
+    """Bytes http.client refuses to send (a newline inside a header value), answer read to the end."""
+    parts = urlsplit(stack.base_url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as connection:
+        connection.sendall(request_bytes)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_idempotency_key_with_a_newline_never_reaches_a_call(agent) -> None:
+    body = json.dumps(envelope("execute_shell_command", {"command": "touch ran"})).encode()
+    for key in (b"k1\n", b"k1\r", b"k1\n "):
+        answer = raw_exchange(agent.stack, b"POST /v1/tool-calls HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                              b"Authorization: Bearer " + agent.token.encode() + b"\r\n"
+                              b"Content-Type: application/json\r\nIdempotency-Key: " + key + b"\r\n"
+                              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]  # gunicorn refuses the header itself
+    assert not (agent.workspace / "ran").exists()
+
+
+@pytest.mark.parametrize("key", ["k1\xa0", "k1\x85", "\xa0k1"])
+def test_idempotency_key_with_other_whitespace_is_400(agent, key: str) -> None:
+    """str.strip() would have taken these off (and the pattern's `$` a final newline): only the
+    header's own optional whitespace, spaces and tabs, is trimmed."""
+    status, text = raw_post(agent.stack, [("Authorization", f"Bearer {agent.token}"),
+                                          ("Content-Type", "application/json"), ("Idempotency-Key", key)],
+                            json.dumps(envelope("execute_shell_command", {"command": "touch ran"})).encode())
+    assert status == 400, text
+    assert json.loads(text)["code"] == "invalid_idempotency_key", text
+    assert not (agent.workspace / "ran").exists()
+
+
+@pytest.mark.parametrize("value", ["k1\n", "k1\r\n", "\nk1", "k1\x0b", "k1\x0c", "k1\xa0", "k1\u2028", '"k1\n"'])
+def test_parse_key_refuses_a_newline_or_unicode_space(value: str) -> None:
+    with pytest.raises(InvalidIdempotencyKey):
+        parse_key([value])
+
+
+def test_parse_key_trims_only_spaces_and_tabs() -> None:
+    assert parse_key([" \tk1 \t"]) == "k1" and parse_key([' "k1"\t']) == "k1"
+
+
+def test_malformed_prefer_wait_is_ignored_not_a_server_error(agent) -> None:
+    """"²" passes str.isdigit() but not int(): the call must still be answered (202), not 500."""
+    status, text = raw_post(agent.stack, [("Authorization", f"Bearer {agent.token}"),
+                                          ("Content-Type", "application/json"),
+                                          ("Idempotency-Key", uuid.uuid4().hex), ("Prefer", "wait=\xb2")],
+                            json.dumps(envelope("execute_shell_command", {"command": "true"})).encode())
+    assert status == 202, text
+    assert json.loads(text)["status"] == "queued"
+
+
+@pytest.mark.parametrize("after_seq", ["%C2%B2", "%D9%A3", "%EF%BC%91"])
+def test_after_seq_of_non_ascii_digits_is_400(agent, after_seq: str) -> None:
+    from tests.test_attack_handshake import bearer, handshake, stream_path
+    task_id = agent.shell("true", wait=30).json()["task_id"]
+    status, headers, body = handshake(agent.stack, stream_path(task_id, f"after_seq={after_seq}"),
+                                      bearer(agent.token))
+    assert status == 400 and json.loads(body)["code"] == "schema_invalid", (status, body)
+
+
+def _declared_patterns(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        own = {node["pattern"]} if isinstance(node.get("pattern"), str) else set()
+        return own.union(*(_declared_patterns(value) for value in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_declared_patterns(value) for value in node))
+    return set()
+
+
+# The OpenAPI document embeds every tool's parameter schema and the header patterns.
+DECLARED_PATTERNS = sorted(_declared_patterns(openapi.document()))
+
+
+def test_every_pattern_is_collected() -> None:
+    assert len(DECLARED_PATTERNS) >= 4, DECLARED_PATTERNS  # base_sha, command, Idempotency-Key, Prefer
+
+
+@pytest.mark.parametrize("pattern", DECLARED_PATTERNS)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_schema_patterns_mean_what_ecma_262_means(pattern: str, data: st.DataObject) -> None:
+    """jsonschema applies `pattern` with Python's re.search; jsonschema-rs with an ECMA-262-like
+    engine, where `$` is the end of the string. They must agree, newlines around the value included."""
+    value = data.draw(st.from_regex(pattern, fullmatch=True), label="value")
+    schema = {"type": "string", "pattern": pattern}
+    for probe in (value, value + "\n", "\n" + value, value + "\n" + value, value + "\r\n"):
+        assert Draft202012Validator(schema).is_valid(probe) == jsonschema_rs.is_valid(schema, probe), repr(probe)
+
+
+@pytest.mark.parametrize("pattern, valid", [
+    (TOOLS["apply_file_patch"].parameters["properties"]["base_sha"]["pattern"], "a" * 40),
+    (openapi.document()["paths"]["/v1/tool-calls"]["post"]["parameters"][0]["schema"]["pattern"], "k1"),
+    (openapi.document()["paths"]["/v1/tool-calls"]["post"]["parameters"][1]["schema"]["pattern"], "wait=5"),
+])
+def test_patterns_refuse_a_trailing_newline(pattern: str, valid: str) -> None:
+    validator = Draft202012Validator({"type": "string", "pattern": pattern})
+    assert validator.is_valid(valid) and not validator.is_valid(valid + "\n")
+
+
+# --- issue 18 item 3: a JSON object with a key twice is schema_invalid, wherever it is ---------------
+
+def _raw_call(call_id: str, tool_members: str, parameters: str) -> bytes:
+    return (f'{{{tool_members}, "call_id": "{call_id}", "parameters": {parameters}}}').encode()
+
+
+@pytest.mark.parametrize("body, pointer", [
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "read_file", "tool_name": "execute_shell_command"',
+               '{"command": "touch ran"}'), "/tool_name"),
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "execute_shell_command"',
+               '{"command": "true", "command": "touch ran"}'), "/parameters/command"),
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "execute_shell_command"',
+               '{"command": "touch ran", "timeout_ms": 1000, "timeout_ms": 2000}'), "/parameters/timeout_ms"),
+    (_raw_call(str(uuid.uuid4()), '"tool_name": "execute_shell_command"',
+               '{"command": "touch ran", "cwd": ".", "\\u0063wd": "."}'), "/parameters/cwd"),
+    (b'{"tool_name": "execute_shell_command", "call_id": "%s", "call_id": "%s", "parameters": {"command": "touch ran"}}'
+     % (str(uuid.uuid4()).encode(), str(uuid.uuid4()).encode()), "/call_id"),
+])
+def test_repeated_json_key_is_schema_invalid_and_runs_nothing(agent, body: bytes, pointer: str) -> None:
+    key = uuid.uuid4().hex
+    refused = post(agent, None, raw=body, key=key)
+    problem = assert_problem(refused, 400, "schema_invalid")
+    assert pointer in [error["pointer"] for error in problem["errors"]], problem
+    assert not (agent.workspace / "ran").exists()
+    # Nothing was claimed either: the same key then runs the call it names, once.
+    ran = agent.call("execute_shell_command", {"command": "echo fine"}, key=key,
+                     headers=agent.headers(key, Prefer="wait=30"))
+    assert ran.status_code == 200 and ran.json()["result"]["stdout"] == "fine\n", ran.text
+    assert not (agent.workspace / "ran").exists()
+
+
+def test_repeated_key_deep_inside_is_found(agent) -> None:
+    nested = '{"tool_name": "read_file", "call_id": "%s", "parameters": {"path": "a", "x": [1, {"y": {"z": 1, "z": 2}}]}}'
+    problem = assert_problem(post(agent, None, raw=(nested % uuid.uuid4()).encode()), 400, "schema_invalid")
+    assert [error["pointer"] for error in problem["errors"]] == ["/parameters/x/1/y/z"], problem
+
+
+def test_repeated_key_in_a_stream_order_is_no_order(agent) -> None:
+    """{"signal": "SIGTERM", "signal": "SIGKILL"} is ignored, not read as SIGKILL: the SIGINT after it
+    is the signal the command gets (with the last key winning, SIGKILL would end it first, 137)."""
+    from tests.streams import collect, connect
+    response = agent.shell("trap 'echo got INT; exit 42' INT; echo ready; sleep 30 & wait", wait=None)
+    task_id = response.json()["task_id"]
+    ws = connect(agent, task_id)
+    try:
+        assert collect(ws, limit=1).events[0]["data"] == "ready\n"
+        ws.send('{"type": "signal", "signal": "SIGTERM", "signal": "SIGKILL"}')
+        ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
+        rest = collect(ws)
+    finally:
+        ws.close()
+    assert rest.exit["exit_code"] == 42 and b"got INT" in rest.bytes_of("stdout"), rest.exit
+
+
+def test_json_bodies_are_parsed_in_one_place() -> None:
+    """shared.schema.loads is the API's only JSON reader of what a client sent."""
+    offenders = []
+    for source in sorted((Path(__file__).parent.parent / "api").rglob("*.py")):
+        text = source.read_text()
+        offenders += [f"{source.name}: {needle}" for needle in ("get_json", "json.loads", "request.json", "json.load(")
+                      if needle in text]
+    assert offenders == []

@@ -9,7 +9,6 @@ dropped after SEND_TIMEOUT_S; it can resume with `after_seq`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -25,7 +24,7 @@ from api.runtime import runtime
 from shared import keys
 from shared.errors import ForbiddenOrigin, NotFound, SchemaInvalid
 from shared.records import Records
-from shared.schema import SIGNALS, TOOLS
+from shared.schema import SIGNALS, TOOLS, loads
 
 bp = Blueprint("stream", __name__)
 sock = Sock()
@@ -55,7 +54,7 @@ def check_handshake() -> None:
 
 def _after_seq() -> int:
     raw = request.args.get("after_seq", "0")
-    if not raw.isdigit() or len(raw) > 12:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # str.isdigit() also takes "²" and "٣"
         raise SchemaInvalid("after_seq must be a non-negative integer.",
                             errors=[{"pointer": "/after_seq", "message": "not a non-negative integer"}])
     return int(raw)
@@ -148,8 +147,8 @@ def _receive_signals(ws, records: Records, task_id: str) -> None:  # type: ignor
         if message is None:
             return
         try:
-            order = json.loads(message)
-        except (TypeError, ValueError):
+            order = loads(message)  # as every body: a repeated "signal" key is no order
+        except (TypeError, SchemaInvalid):
             continue
         if isinstance(order, dict) and order.get("type") == "signal" and order.get("signal") in SIGNALS:
             try:

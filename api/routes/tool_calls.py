@@ -14,7 +14,7 @@ from shared import keys
 from shared.errors import NotFound, RunwardenError, SchemaInvalid, UnsupportedMediaType
 from shared.idempotency import parse_key
 from shared.records import TaskView
-from shared.schema import TOOLS, parse_tool_call
+from shared.schema import TOOLS, loads, parse_tool_call
 from shared.tokens import Grant
 
 bp = Blueprint("tool_calls", __name__)
@@ -25,17 +25,6 @@ MAX_EARLY_PARSE = 1 << 21
 _UNREAD = object()
 
 
-def _parse(raw: bytes) -> object:
-    try:
-        body = json.loads(raw)
-        # A lone surrogate ("\ud800") is valid JSON but no file name, command or output can hold it.
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except (ValueError, UnicodeError, RecursionError):
-        raise SchemaInvalid("The body is not valid JSON of UTF-8 text.",
-                            errors=[{"pointer": "", "message": "invalid JSON"}]) from None
-    return body
-
-
 def _read_body() -> None:
     """Parse the body once, before authentication, so that even refusals carry call_id and
     tool_name as sent; a parse error is kept and raised by `_body`, after the token and key checks."""
@@ -43,7 +32,7 @@ def _read_body() -> None:
     if (request.content_length or 0) > MAX_EARLY_PARSE:
         return  # read (and refused with 413) by `_body`, after authentication
     try:
-        g.body = _parse(request.get_data(cache=True))
+        g.body = loads(request.get_data(cache=True))
     except SchemaInvalid as exc:
         g.body_error = exc
     if isinstance(g.body, dict):
@@ -57,7 +46,7 @@ def _body() -> object:
     if g.body_error is not None:
         raise g.body_error
     if g.body is _UNREAD:
-        return _parse(request.get_data(cache=True))  # bounded by MAX_CONTENT_LENGTH: larger is a 413
+        return loads(request.get_data(cache=True))  # bounded by MAX_CONTENT_LENGTH: larger is a 413
     return g.body
 
 
