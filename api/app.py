@@ -5,7 +5,7 @@ import logging
 
 from flask import Flask
 
-from api import metrics, problems
+from api import metrics, problems, server
 from api.routes import meta, stream, tool_calls
 from api.runtime import Runtime
 from shared.settings import Settings
@@ -26,6 +26,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     )
     app.extensions["runwarden"] = Runtime.build(settings, create_celery(settings))
     problems.register(app)
+    server.init_app(app)
     metrics.init_app(app)
     app.register_blueprint(tool_calls.bp)
     app.register_blueprint(meta.bp)

@@ -63,6 +63,7 @@ class Settings:
     visibility_timeout_s: int
     lease_s: int
     rate_limit_per_s: int
+    request_timeout_s: int  # to receive one request's headers and body
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, *, require_jwt: bool = True) -> "Settings":
@@ -100,6 +101,9 @@ class Settings:
             visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
             lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
             rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 1000, 1),
+            # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
+            # platform's servers arrives in milliseconds; a client slower than that holds a thread.
+            request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
         )
 
     @property
