@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import metrics, problems, server
 from api.routes import meta, stream, tool_calls
@@ -32,6 +33,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(meta.bp)
     app.register_blueprint(stream.bp)
     stream.sock.init_app(app)
+    if settings.trusted_proxies:
+        # Only then are X-Forwarded-For/-Proto/-Host/-Port/-Prefix believed, and only the last
+        # `trusted_proxies` values of each (the ones our own proxies appended).
+        hops = settings.trusted_proxies
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops, x_port=hops,  # type: ignore[method-assign]
+                                x_prefix=hops)
     if settings.sandbox == "none":
         logging.getLogger("runwarden").warning("RUNWARDEN_SANDBOX=none: workers run commands UNSANDBOXED")
     return app

@@ -1,6 +1,6 @@
 """How gunicorn serves the API: `gunicorn --worker-class api.server.Worker 'api.app:create_app()'`.
 
-The worker is gunicorn's gthread worker (a thread per request or open stream) with three changes:
+The worker is gunicorn's gthread worker (a thread per request or open stream) with four changes:
 
 - **A bound on receiving a request** (`RUNWARDEN_REQUEST_TIMEOUT`). gthread reads a request's headers
   and body with blocking reads that never time out (`--timeout 0`, as streams are long-lived), so a
@@ -12,6 +12,9 @@ The worker is gunicorn's gthread worker (a thread per request or open stream) wi
   request the application takes long to answer (`Prefer: wait=60`): it reads nothing meanwhile.
 - **Refusals as problem+json.** gunicorn answers a request it cannot parse (400, 414, 431…) with an
   HTML page; contract section 7 wants problem+json with a `code` (shared/errors.py).
+- **No trust in forwarding headers.** gunicorn believes `X-Forwarded-Proto` (and `SCRIPT_NAME`
+  headers) from 127.0.0.1 by default; here only the application's ProxyFix does, and only for
+  `RUNWARDEN_TRUSTED_PROXIES` hops.
 - **Connections closed on their own thread.** gthread closes a connection it does not keep alive on
   its event loop, lingering up to 2 s for the client's FIN (RFC 9112 §9.6), and serves no other
   connection meanwhile: every client that does not close would freeze the server for 2 s. Here that
@@ -135,6 +138,13 @@ class Worker(gthread.ThreadWorker):
     """gthread with the changes the module docstring lists."""
 
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    def init_process(self) -> None:
+        # This process's copy of the configuration. Trusting no peer would be enough, but a peer on
+        # a Unix socket is always trusted, so the headers trust would grant are emptied too.
+        for name, value in (("forwarded_allow_ips", ""), ("secure_scheme_headers", {}), ("forwarder_headers", "")):
+            self.cfg.set(name, value)
+        super().init_process()
 
     def load_wsgi(self) -> None:
         super().load_wsgi()

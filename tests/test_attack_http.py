@@ -136,6 +136,42 @@ def test_refusals_log_neither_trace_nor_request_bytes(stack: StackInfo) -> None:
     assert b"GARBAGE-FOR-THE-LOG" not in added  # a request's bytes (a token, say) are not echoed
 
 
+# --- 4. stream_url and forwarding headers ----------------------------------------------------
+
+FORWARDED = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "evil.example", "X-Forwarded-Port": "8443",
+             "X-Forwarded-Prefix": "/evil", "X-Forwarded-Protocol": "ssl", "X-Forwarded-Ssl": "on"}
+
+
+def shell_stream_url(agent: Agent, **headers: str) -> str:
+    body = {"tool_name": "execute_shell_command", "call_id": str(uuid.uuid4()), "parameters": {"command": "true"}}
+    response = agent.http.post(f"{agent.stack.base_url}/v1/tool-calls", data=json.dumps(body),
+                               headers=agent.headers(**headers), timeout=PATIENCE_S)
+    assert response.status_code == 202, response.text
+    return response.json()["stream_url"]
+
+
+def test_forwarded_headers_are_ignored_by_default(agent: Agent) -> None:
+    url = shell_stream_url(agent, **FORWARDED)
+    assert url.startswith(f"{agent.stack.ws_base}/v1/tool-calls/"), url
+
+
+@pytest.fixture(scope="module")
+def public_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    workspaces = reachable_workspaces()
+    info = start_stack(tmp_path_factory.mktemp("public"), concurrency=1, RUNWARDEN_WORKSPACES=str(workspaces),
+                       RUNWARDEN_PUBLIC_URL="https://runwarden.example/")
+    yield info
+    info.stack.stop()
+    shutil.rmtree(workspaces, ignore_errors=True)
+
+
+def test_public_url_is_the_base_of_every_stream_url(public_stack: StackInfo) -> None:
+    agent = Agent(public_stack, f"t{uuid.uuid4().hex[:10]}", "r1", ALL_SCOPES, ["**"])
+    for headers in ({}, {"Host": "evil.example"}, FORWARDED):
+        url = shell_stream_url(agent, **headers)
+        assert url.startswith("wss://runwarden.example/v1/tool-calls/") and url.endswith("/stream"), url
+
+
 # --- 3. Stalled requests, on a stack whose request timeout is short ---------------------------
 
 
@@ -143,7 +179,7 @@ def test_refusals_log_neither_trace_nor_request_bytes(stack: StackInfo) -> None:
 def quick_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     workspaces = reachable_workspaces()
     info = start_stack(tmp_path_factory.mktemp("quick"), RUNWARDEN_WORKSPACES=str(workspaces),
-                       RUNWARDEN_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT_S))
+                       RUNWARDEN_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT_S), RUNWARDEN_TRUSTED_PROXIES="1")
     yield info
     info.stack.stop()
     shutil.rmtree(workspaces, ignore_errors=True)
@@ -152,6 +188,12 @@ def quick_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]
 @pytest.fixture
 def quick_agent(quick_stack: StackInfo) -> Agent:
     return Agent(quick_stack, f"t{uuid.uuid4().hex[:10]}", f"r{uuid.uuid4().hex[:8]}", ALL_SCOPES, ["**"])
+
+
+def test_trusted_proxy_headers_shape_the_stream_url(quick_agent: Agent) -> None:
+    url = shell_stream_url(quick_agent, **{"X-Forwarded-Proto": "https", "X-Forwarded-Host": "api.example",
+                                           "X-Forwarded-Prefix": "/runwarden"})
+    assert url.startswith("wss://api.example/runwarden/v1/tool-calls/"), url
 
 
 def test_stalled_body_is_answered_408_and_closed(quick_stack: StackInfo) -> None:
