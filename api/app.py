@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 
 from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
 
-from api import metrics, problems
+from api import metrics, problems, server
 from api.routes import meta, stream, tool_calls, tool_use
 from api.runtime import Runtime
 from shared.settings import Settings
@@ -26,12 +27,19 @@ def create_app(settings: Settings | None = None) -> Flask:
     )
     app.extensions["runwarden"] = Runtime.build(settings, create_celery(settings))
     problems.register(app)
+    server.init_app(app)
     metrics.init_app(app)
     app.register_blueprint(tool_calls.bp)
     app.register_blueprint(tool_use.bp)
     app.register_blueprint(meta.bp)
     app.register_blueprint(stream.bp)
     stream.sock.init_app(app)
+    if settings.trusted_proxies:
+        # Only then are X-Forwarded-For/-Proto/-Host/-Port/-Prefix believed, and only the last
+        # `trusted_proxies` values of each (the ones our own proxies appended).
+        hops = settings.trusted_proxies
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops, x_port=hops,  # type: ignore[method-assign]
+                                x_prefix=hops)
     if settings.sandbox == "none":
         logging.getLogger("runwarden").warning("RUNWARDEN_SANDBOX=none: workers run commands UNSANDBOXED")
     return app

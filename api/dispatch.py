@@ -16,7 +16,7 @@ from kombu.exceptions import OperationalError
 from redis import RedisError
 
 from api.problems import PROBLEM_JSON, json_response, problem_response
-from api.runtime import Runtime
+from api.runtime import Runtime, runtime
 from shared import commands, paths
 from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
 from shared.idempotency import Existing, fingerprint
@@ -76,8 +76,14 @@ def authorize(call: ToolCall, grant: Grant) -> ToolCall:
 
 
 def stream_url(task_id: str) -> str:
-    scheme = "wss" if request.scheme == "https" else "ws"
-    return f"{scheme}://{request.host}/v1/tool-calls/{task_id}/stream"
+    """On RUNWARDEN_PUBLIC_URL when set; else on the request's own scheme and Host (what a proxy
+    says of them only when RUNWARDEN_TRUSTED_PROXIES lets ProxyFix believe it)."""
+    public_url = runtime().settings.public_url  # http(s)://…, checked at start
+    if public_url:
+        base = f"ws{public_url[4:]}"  # http… → ws…, https… → wss…
+    else:
+        base = f"{'wss' if request.scheme == 'https' else 'ws'}://{request.host}{request.root_path}"
+    return f"{base}/v1/tool-calls/{task_id}/stream"
 
 
 def prefer_wait() -> int | None:

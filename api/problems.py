@@ -19,6 +19,7 @@ _HTTP_ERRORS: dict[int, type[errors.RunwardenError]] = {
     400: errors.SchemaInvalid,
     404: errors.NotFound,
     405: errors.MethodNotAllowed,
+    408: errors.RequestTimeout,  # the body stalled (api/server.py)
     413: errors.PayloadTooLarge,
     415: errors.UnsupportedMediaType,
 }
@@ -48,7 +49,7 @@ def _discard_body() -> None:
     try:
         while stream is not None and left > 0 and (chunk := stream.read(min(left, 65536))):
             left -= len(chunk)
-    except OSError:
+    except (OSError, HTTPException):  # the client went away, or stalled (api/server.py)
         pass
 
 

@@ -133,7 +133,7 @@ def start_worker(stack: Stack, env: dict[str, str], *, concurrency: int = 2, nam
 
 def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, threads: int = 256,
               log: Path | None = None) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1",
+    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "api.server.Worker", "--workers", "1",
             "--threads", str(threads), "--bind", f"{host}:{port}", "--timeout", "0",
             "--graceful-timeout", "5", "--keep-alive", "30", "api.app:create_app()"]
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):

@@ -149,3 +149,35 @@ class InternalError(RunwardenError):
 class SandboxUnavailable(Unavailable):
     """This worker's sandbox failed its self-test; it refuses shell calls rather than run them unconfined."""
     code, title = "sandbox_unavailable", "Sandbox unavailable"
+
+
+# The HTTP server's own refusals of requests it could not read (api/server.py): problem+json too.
+
+class BadRequest(RunwardenError):
+    """The request line or a header is malformed, or the body's framing (chunks) is."""
+    code, status, title = "bad_request", 400, "Malformed request"
+
+
+class RequestTimeout(RunwardenError):
+    """The request's headers and body did not all arrive within RUNWARDEN_REQUEST_TIMEOUT."""
+    code, status, title = "request_timeout", 408, "Request not received in time"
+
+
+class UriTooLong(RunwardenError):
+    """The request line (method, target, version) exceeds the server's limit."""
+    code, status, title = "uri_too_long", 414, "Request line too long"
+
+
+class ExpectationFailed(RunwardenError):
+    """An `Expect` header other than `100-continue`."""
+    code, status, title = "expectation_failed", 417, "Expectation not supported"
+
+
+class RequestHeaderTooLarge(RunwardenError):
+    """A header field, or the number of fields, exceeds the server's limits."""
+    code, status, title = "request_header_too_large", 431, "Request header fields too large"
+
+
+class TransferCodingNotImplemented(RunwardenError):
+    """A `Transfer-Encoding` other than `chunked`."""
+    code, status, title = "unsupported_transfer_coding", 501, "Transfer coding not supported"

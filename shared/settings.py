@@ -9,6 +9,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 log = logging.getLogger("runwarden.settings")
 
@@ -63,6 +64,9 @@ class Settings:
     visibility_timeout_s: int
     lease_s: int
     rate_limit_per_s: int
+    public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
+    trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
+    request_timeout_s: int  # to receive one request's headers and body
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, *, require_jwt: bool = True) -> "Settings":
@@ -100,11 +104,33 @@ class Settings:
             visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
             lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
             rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 1000, 1),
+            public_url=_public_url(env.get("RUNWARDEN_PUBLIC_URL", "")),
+            trusted_proxies=_int(env, "RUNWARDEN_TRUSTED_PROXIES", 0, 0),
+            # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
+            # platform's servers arrives in milliseconds; a client slower than that holds a thread.
+            request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
         )
 
     @property
     def jwt_verify_key(self) -> bytes:
         return self.jwt_public_key if self.jwt_public_key is not None else self.jwt_secret  # type: ignore[return-value]
+
+
+def _public_url(raw: str) -> str:
+    """`http(s)://host[:port][/prefix]`, without its trailing "/"; "" when unset."""
+    if not raw:
+        return ""
+    try:
+        parts = urlsplit(raw)
+        valid = (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+                 and "?" not in raw and "#" not in raw and "@" not in parts.netloc
+                 and all(ch.isprintable() and not ch.isspace() for ch in raw))
+    except ValueError:  # a port that is not a number in range
+        valid = False
+    if not valid:  # the value is not echoed: it might hold credentials
+        raise SettingsError("RUNWARDEN_PUBLIC_URL must be http(s)://host[:port][/path], "
+                            "without query, fragment, credentials or spaces")
+    return raw.rstrip("/")
 
 
 def _has_jwt(env: dict[str, str]) -> bool:

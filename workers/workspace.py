@@ -21,6 +21,8 @@ from shared.errors import FileNotFound, PathForbidden, PayloadTooLarge
 
 MAX_READ_BYTES = 32 * 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOCTTY: nor a terminal become the worker's.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,18 @@ def _refusal(exc: OSError) -> Exception:
 
 
 def read(dir_fd: int, name: str, *, keep_open: list[int] | None = None) -> FileState:
-    """The file's bytes; a missing file gives data=None. FIFOs, devices and symlinks are refused.
+    """The file's bytes; a missing file gives data=None. Anything but a regular file (directory,
+    symlink, FIFO, socket, device) is refused with PathForbidden.
     With `keep_open`, the file read is left open and its fd added there, for the caller to close."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return FileState(None)
     except OSError as exc:
+        # open(2) fails on a socket, or a device without a driver, with ENXIO (on a nodev mount with
+        # EACCES): name the special file as such, rather than pass on a file-system error (a 503).
+        if _is_special(dir_fd, name):
+            raise PathForbidden("The path names a special file.") from None
         raise _refusal(exc) from None
     try:
         st = os.fstat(fd)
@@ -166,11 +173,20 @@ class SpareFile:
         return fd
 
 
+def _is_special(dir_fd: int, name: str) -> bool:
+    """Whether `name` is there as something other than a regular file, directory or symlink."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+
+
 def identity(dir_fd: int, name: str) -> tuple[int, int] | None:
     """(device, inode) of what `name` holds now, None if nothing. Opened, not stat'ed, so that a
     network filesystem looks the name up again (close-to-open), as reading it did."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError:

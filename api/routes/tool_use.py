@@ -21,12 +21,11 @@ from flask import Blueprint, Response, request
 from api import dispatch, native, openapi
 from api.auth import authenticate
 from api.problems import json_response
-from api.routes.tool_calls import _parse
 from api.runtime import Runtime, runtime
 from shared import keys
 from shared.errors import CommandForbidden, IdempotencyKeyReused, PathForbidden, SchemaInvalid, UnsupportedMediaType
 from shared.idempotency import KEY_RE, parse_key
-from shared.schema import parse_tool_call
+from shared.schema import loads, parse_tool_call
 from shared.tokens import Grant
 
 bp = Blueprint("tool_use", __name__)
@@ -83,7 +82,7 @@ def openai_block(raw: Any, pointer: str) -> Block:
     if not isinstance(text, str):
         return Block(block_id, function.get("name"), None, "function.arguments must be a string of JSON text.")
     try:
-        return Block(block_id, function.get("name"), _parse(text.encode()))
+        return Block(block_id, function.get("name"), loads(text.encode()))
     except SchemaInvalid:
         return Block(block_id, function.get("name"), None, "function.arguments is not valid JSON text.")
 
@@ -91,7 +90,7 @@ def openai_block(raw: Any, pointer: str) -> Block:
 def _blocks(parse_block: Callable[[Any, str], Block]) -> tuple[list[Block], bool]:
     if request.mimetype not in ("application/json", ""):
         raise UnsupportedMediaType("Send the blocks as application/json.")
-    body = _parse(request.get_data(cache=True))
+    body = loads(request.get_data(cache=True))
     single = not isinstance(body, list)
     items: list[Any] = body if isinstance(body, list) else [body]
     if not 0 < len(items) <= MAX_BLOCKS:
@@ -109,7 +108,7 @@ def _key(block: Block, header_key: str | None, index: int, single: bool) -> str:
     block is the same call."""
     if header_key is not None:
         return header_key if single else f"{header_key}:{index}"
-    if KEY_RE.match(block.id):
+    if KEY_RE.fullmatch(block.id):
         return block.id
     return "id-sha256:" + hashlib.sha256(block.id.encode()).hexdigest()
 

@@ -1,0 +1,225 @@
+"""How gunicorn serves the API: `gunicorn --worker-class api.server.Worker 'api.app:create_app()'`.
+
+The worker is gunicorn's gthread worker (a thread per request or open stream) with four changes:
+
+- **A bound on receiving a request** (`RUNWARDEN_REQUEST_TIMEOUT`). gthread reads a request's headers
+  and body with blocking reads that never time out (`--timeout 0`, as streams are long-lived), so a
+  client that stopped mid-request held a thread for ever. Here every read of a request is bounded by
+  the time left to it, counted from its first read until the application returns. A stall in the
+  headers is answered 408 by the server; a stall in the body reaches the application as
+  `RequestTimedOut` (an HTTP 408), which answers it as problem+json. Idle kept-alive connections wait
+  in gthread's poller and WebSockets read the socket directly, so neither is affected, nor is a
+  request the application takes long to answer (`Prefer: wait=60`): it reads nothing meanwhile.
+- **Refusals as problem+json.** gunicorn answers a request it cannot parse (400, 414, 431…) with an
+  HTML page; contract section 7 wants problem+json with a `code` (shared/errors.py).
+- **No trust in forwarding headers.** gunicorn believes `X-Forwarded-Proto` (and `SCRIPT_NAME`
+  headers) from 127.0.0.1 by default; here only the application's ProxyFix does, and only for
+  `RUNWARDEN_TRUSTED_PROXIES` hops.
+- **Connections closed on their own thread.** gthread closes a connection it does not keep alive on
+  its event loop, lingering up to 2 s for the client's FIN (RFC 9112 §9.6), and serves no other
+  connection meanwhile: every client that does not close would freeze the server for 2 s. Here that
+  linger runs on the request's thread, and a connection whose request timed out is closed at once.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import ssl
+import time
+from http import HTTPStatus
+from typing import Any
+
+from gunicorn import util
+from gunicorn.http.errors import (
+    ConfigurationProblem,
+    ExpectationFailed,
+    InvalidResponseHeader,
+    InvalidResponseHeaderName,
+    LimitRequestHeaders,
+    LimitRequestLine,
+    ParseException,
+    UnsupportedTransferCoding,
+)
+from gunicorn.http.parser import RequestParser
+from gunicorn.http.unreader import SocketUnreader
+from flask import Flask, Response
+from gunicorn.workers import gthread
+from werkzeug.exceptions import RequestTimeout as HTTPRequestTimeout
+
+from api.problems import problem_response
+from shared import errors
+
+DEFAULT_REQUEST_TIMEOUT_S = 15  # for an application that is not runwarden's (the benchmark's floor)
+
+
+class RequestTimedOut(HTTPRequestTimeout):
+    """A read of the request after its time was up. An HTTP exception, not an OSError: werkzeug's
+    input stream turns any OSError into a 400 "client disconnected", which this is not."""
+
+
+class RequestClock:
+    """The time left to receive the request being read; no bound once the application returned."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.running = False
+        self.expired = False
+        self.deadline: float | None = None
+
+    def restart(self) -> None:
+        self.running, self.expired, self.deadline = True, False, None
+
+    def stop(self) -> None:
+        self.running = False
+
+    def left(self) -> float | None:
+        """Seconds left (started by the request's first read), None when unbounded."""
+        if not self.running:
+            return None
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.timeout_s
+        return self.deadline - now
+
+    def expire(self) -> RequestTimedOut:
+        self.expired = True
+        return RequestTimedOut()
+
+
+class TimedUnreader(SocketUnreader):
+    """gunicorn's socket reader, each read bounded by the time left to its request."""
+
+    def __init__(self, sock: Any, clock: RequestClock) -> None:
+        super().__init__(sock)
+        self.clock = clock
+
+    def chunk(self, size_hint: int | None = None) -> bytes:
+        left = self.clock.left()
+        if left is None:
+            return super().chunk(size_hint)
+        if left <= 0:
+            raise self.clock.expire()
+        prior = self.sock.gettimeout()  # gunicorn's body drain sets its own
+        self.sock.settimeout(left if prior is None else min(left, prior))
+        try:
+            return super().chunk(size_hint)
+        except TimeoutError:
+            if (self.clock.left() or 0) > 0:
+                raise  # the drain's own timeout, not ours
+            raise self.clock.expire() from None
+        finally:
+            self.sock.settimeout(prior)
+
+
+class Connection(gthread.TConn):
+    """gthread's connection, reading through a TimedUnreader, and closed only once."""
+
+    def __init__(self, cfg: Any, sock: Any, client: Any, server: Any, timeout_s: float) -> None:
+        super().__init__(cfg, sock, client, server)
+        self.clock = RequestClock(timeout_s)
+        self.closed = False
+
+    def init(self) -> None:
+        fresh = self.parser is None
+        super().init()
+        unreader = getattr(self.parser, "unreader", None)
+        # HTTP/1 only, and only while it holds nothing (an h2c preface read ahead stays as it is).
+        if (fresh and unreader is not None and type(self.parser) is RequestParser and type(unreader) is SocketUnreader
+                and not unreader.buf.getvalue()):
+            self.parser.unreader = TimedUnreader(self.sock, self.clock)
+
+    def close(self, graceful: bool = False) -> None:
+        if not self.closed:  # closed by its thread already, then again by gthread's event loop
+            self.closed = True
+            super().close(graceful)
+
+
+class Worker(gthread.ThreadWorker):
+    """gthread with the changes the module docstring lists."""
+
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    def init_process(self) -> None:
+        # This process's copy of the configuration. Trusting no peer would be enough, but a peer on
+        # a Unix socket is always trusted, so the headers trust would grant are emptied too.
+        for name, value in (("forwarded_allow_ips", ""), ("secure_scheme_headers", {}), ("forwarder_headers", "")):
+            self.cfg.set(name, value)
+        super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        runtime = getattr(self.wsgi, "extensions", {}).get("runwarden")
+        if runtime is not None:
+            self.request_timeout_s = runtime.settings.request_timeout_s
+
+    def accept(self, listener: Any) -> None:
+        """gthread's own, making a `Connection`."""
+        try:
+            client_sock, client_addr = listener.accept()
+            self.nr_conns += 1
+            client_sock.setblocking(True)
+            conn = Connection(self.cfg, client_sock, client_addr, listener.getsockname(), self.request_timeout_s)
+            self.enqueue_req(conn)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+
+    def handle(self, conn: Connection) -> Any:
+        conn.clock.restart()
+        result = super().handle(conn)
+        if result is False:
+            # Here rather than on the event loop; a client that stalled has nothing left to drain.
+            conn.close(graceful=not conn.clock.expired)
+        return result
+
+    def handle_request(self, req: Any, conn: Connection) -> Any:
+        try:
+            return super().handle_request(req, conn)
+        finally:
+            conn.clock.stop()  # later reads are gthread's drain of an unread body, bounded by it
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        problem = refusal(exc)
+        if problem is None:
+            self.log.exception("Error handling request")
+            problem = errors.InternalError("An unexpected error occurred; it has been logged.")
+        else:
+            self.log.warning("Refused a request from %s: %s", (addr or ("",))[0], type(exc).__name__)
+        try:
+            util.write_nonblock(client, problem_bytes(problem))
+        except Exception:
+            self.log.debug("Failed to send error message.")
+
+
+# What the server answers for a request it could not read; None: not the client's fault (a 500).
+_REFUSALS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], type[errors.RunwardenError] | None], ...] = (
+    (RequestTimedOut, errors.RequestTimeout),
+    (LimitRequestLine, errors.UriTooLong),
+    (LimitRequestHeaders, errors.RequestHeaderTooLarge),
+    (ExpectationFailed, errors.ExpectationFailed),
+    (UnsupportedTransferCoding, errors.TransferCodingNotImplemented),
+    ((InvalidResponseHeader, InvalidResponseHeaderName, ConfigurationProblem), None),
+    ((ParseException, ssl.SSLError), errors.BadRequest),
+)
+
+
+def init_app(app: Flask) -> None:
+    """A body gunicorn cannot parse (a malformed chunk) raises inside the application as it reads."""
+    @app.errorhandler(ParseException)
+    def malformed_body(error: ParseException) -> Response:
+        return problem_response(refusal(error) or errors.InternalError("The server failed to read the request."))
+
+
+def refusal(exc: BaseException) -> errors.RunwardenError | None:
+    for kinds, problem in _REFUSALS:
+        if isinstance(exc, kinds):
+            return problem() if problem else None
+    return None
+
+
+def problem_bytes(problem: errors.RunwardenError) -> bytes:
+    """A whole HTTP/1.1 response carrying `problem`, after which the connection closes."""
+    body = json.dumps(problem.problem(), separators=(",", ":")).encode()
+    head = (f"HTTP/1.1 {problem.status} {HTTPStatus(problem.status).phrase}\r\nConnection: close\r\n"
+            f"Content-Type: application/problem+json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
