@@ -10,6 +10,7 @@ from flask import current_app
 from shared.idempotency import Idempotency
 from shared.records import Records
 from shared.settings import Settings
+from shared.tenants import Quotas
 
 
 @dataclass
@@ -30,7 +31,8 @@ class Runtime:
             settings=settings,
             redis=client,
             celery=celery,
-            idempotency=Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s),
+            idempotency=Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
+                                    Quotas.defaults(settings)),
             records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                             lease_s=settings.lease_s),
         )

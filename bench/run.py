@@ -674,7 +674,7 @@ def machine() -> dict[str, Any]:
     from importlib.metadata import version
     versions = {name: version(name) for name in ("celery", "kombu", "redis", "flask", "flask-sock",
                                                   "simple-websocket", "gunicorn", "websocket-client")}
-    from shared.devstack import find_redis_server
+    from runwarden.devstack import find_redis_server
     from workers.sandbox import find_bwrap
     for name, argv in (("redis-server", [find_redis_server(), "--version"]), ("bwrap", [find_bwrap() or "bwrap", "--version"])):
         try:

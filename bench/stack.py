@@ -1,4 +1,4 @@
-"""The benchmark's own stack on loopback, started with shared.devstack like `runwarden dev` and the tests:
+"""The benchmark's own stack on loopback, started with runwarden.devstack like `runwarden dev` and the tests:
 redis-server, the product worker (prefork, concurrency 2), the gunicorn API; plus the floor's
 gunicorn app and floor worker, started through the same devstack functions so their settings are
 the product's by construction (only the app module and the queue differ).
@@ -18,7 +18,7 @@ import redis
 
 from bench import floor_sandbox
 from bench.names import FLOOR_QUEUE
-from shared import devstack
+from runwarden import devstack
 from shared.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent

@@ -132,6 +132,15 @@ class RateLimited(RunwardenError):
     code, status, title = "rate_limited", 429, "Too many requests"
 
 
+class QuotaExceeded(RunwardenError):
+    """A tenant quota is spent for now: `quota` names it, `Retry-After` says when to come back."""
+    code, status, title = "quota_exceeded", 429, "Tenant quota exceeded"
+
+    def __init__(self, quota: str, retry_after_s: int) -> None:
+        super().__init__(f"The tenant's {quota} quota is spent; retry after {retry_after_s} s.", quota=quota)
+        self.headers["Retry-After"] = str(retry_after_s)
+
+
 class Unavailable(RunwardenError):
     """Redis, the broker, or the sandbox cannot serve right now; retrying later may succeed."""
     code, status, title = "unavailable", 503, "Service unavailable"

@@ -19,8 +19,9 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, RateLimited, Unauthorized
+from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, QuotaExceeded, RateLimited, Unauthorized
 from shared.schema import whole
+from shared.tenants import Quotas
 from shared.tokens import REVOKED
 
 KEY_RE = re.compile(whole("[A-Za-z0-9._:-]{1,255}"))  # also the OpenAPI pattern
@@ -46,33 +47,74 @@ def fingerprint(run_id: str, tool_name: str, call_id: str, parameters: dict[str,
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# KEYS: idempotency record, task record, done list, the tenant's rate counter for this second, and
-#       the token's revocation marker if it has a jti.
-# ARGV: fingerprint, task id, ttl ms, tenant, run id, call id, tool name, created ms, accepted code,
-#       accepted body, rate limit per second.
-# The revocation and rate checks come first and claim nothing when they refuse, so a retry can succeed.
-_CLAIM = """
-if KEYS[5] and redis.call('EXISTS', KEYS[5]) == 1 then return 'revoked' end
-local calls = redis.call('INCR', KEYS[4])
-if calls == 1 then redis.call('EXPIRE', KEYS[4], 2) end
-if calls > tonumber(ARGV[11]) then return 'rate_limited' end
+# Admission, before anything is claimed: a refusal writes nothing, so a retry can succeed.
+# KEYS: ... [4] the tenant's rate counter for this second, [5] the tenant's active set, [7] its
+#       calls-per-minute counter, [8] its output-bytes counter for this hour, [9] its quota overrides,
+#       [10] the token's revocation marker (if it has a jti).
+# ARGV: ... [11] rate limit per second, [12..14] default max_running, calls_per_minute,
+#       output_bytes_per_hour (0: unlimited), [15] seconds to the next minute, [16] to the next hour.
+# The rate counts every request; the quotas count admitted calls, so a retry of an existing call
+# (a 409 or a replay) is never refused by them.
+_ADMIT = """
+local function rate_limited()
+  local calls = redis.call('INCR', KEYS[4])
+  if calls == 1 then redis.call('EXPIRE', KEYS[4], 2) end
+  return calls > tonumber(ARGV[11])
+end
+local function quota(name, default)
+  return tonumber(redis.call('HGET', KEYS[9], name) or default)
+end
+local function over_quota()
+  local max_running = quota('max_running', ARGV[12])
+  if max_running > 0 and redis.call('SCARD', KEYS[5]) >= max_running then return {'max_running', '1'} end
+  local per_minute = quota('calls_per_minute', ARGV[13])
+  if per_minute > 0 and tonumber(redis.call('GET', KEYS[7]) or '0') >= per_minute then
+    return {'calls_per_minute', ARGV[15]}
+  end
+  local per_hour = quota('output_bytes_per_hour', ARGV[14])
+  if per_hour > 0 and tonumber(redis.call('GET', KEYS[8]) or '0') >= per_hour then
+    return {'output_bytes_per_hour', ARGV[16]}
+  end
+  return false
+end
+"""
+
+# KEYS: [1] idempotency record, [2] task record, [3] done list, [4]-[5], [7]-[10] as _ADMIT,
+#       [6] the run's active set.
+# ARGV: [1] fingerprint, [2] task id, [3] ttl ms, [4] tenant, [5] run id, [6] call id, [7] tool name,
+#       [8] created ms, [9] accepted code, [10] accepted body, [11]-[16] as _ADMIT.
+# Returns false (claimed), the existing record (fp, task id, state, code, body), 'revoked',
+# 'rate_limited', or {'quota', name, retry-after seconds}.
+_CLAIM = _ADMIT + """
+if KEYS[10] and redis.call('EXISTS', KEYS[10]) == 1 then return 'revoked' end
+if rate_limited() then return 'rate_limited' end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HMGET', KEYS[1], 'fp', 'task_id', 'state', 'code', 'body')
 end
+local over = over_quota()
+if over then return {'quota', over[1], over[2]} end
 redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'task_id', ARGV[2], 'state', 'pending',
            'code', ARGV[9], 'body', ARGV[10])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('DEL', KEYS[2], KEYS[3])  -- what a claim released after a server failure left
 redis.call('HSET', KEYS[2], 'tenant', ARGV[4], 'run_id', ARGV[5], 'call_id', ARGV[6],
-           'tool_name', ARGV[7], 'status', 'queued', 'created_ms', ARGV[8], 'idem', KEYS[1])
+           'tool_name', ARGV[7], 'status', 'queued', 'created_ms', ARGV[8], 'idem', KEYS[1],
+           'active', KEYS[5], 'run_active', KEYS[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[5], ARGV[2])
+redis.call('SADD', KEYS[6], ARGV[2])
+if redis.call('INCR', KEYS[7]) == 1 then redis.call('EXPIRE', KEYS[7], 120) end
 return false
 """
 
 # KEYS: idempotency record, task record. ARGV: task id.
+# The call's slots in its tenant's and run's active sets go with it.
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'task_id') == ARGV[1] and redis.call('HGET', KEYS[1], 'state') == 'pending'
    and redis.call('HGET', KEYS[2], 'status') == 'queued' then
+  for _, set in ipairs(redis.call('HMGET', KEYS[2], 'active', 'run_active')) do
+    if set then redis.call('SREM', set, ARGV[1]) end
+  end
   redis.call('DEL', KEYS[1], KEYS[2])
   return 1
 end
@@ -92,10 +134,11 @@ class Existing:
 
 
 class Idempotency:
-    def __init__(self, client: redis.Redis, ttl_s: int, rate_limit_per_s: int) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: int, rate_limit_per_s: int, quotas: Quotas) -> None:
         self.client = client
         self.ttl_ms = ttl_s * 1000
         self.rate_limit_per_s = rate_limit_per_s
+        self.quotas = quotas  # the defaults; a tenant's overrides are read by the script
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
 
@@ -113,16 +156,23 @@ class Idempotency:
         jti: str | None = None,
     ) -> Existing | None:
         """Claim the key and create the task record atomically; None when this request won.
-        Refuses a revoked token (by its `jti`) and a tenant over its rate, claiming nothing."""
+        Refuses a revoked token (by its `jti`), a tenant over its rate or its quotas, claiming nothing."""
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
         revoked = [keys.revoked_jti(jti)] if jti is not None else []
+        now_s = created_ms // 1000
+        q = self.quotas
         found = self._claim(
-            keys=[keys.idempotency(tenant, key), keys.task(task_id), keys.done(task_id),
-                  keys.rate(tenant, created_ms // 1000), *revoked],
+            keys=[keys.idempotency(tenant, key), keys.task(task_id), keys.done(task_id), keys.rate(tenant, now_s),
+                  keys.tenant_active(tenant), keys.run_active(tenant, run_id),
+                  keys.calls_per_minute(tenant, now_s // 60), keys.output_bytes(tenant, now_s // 3600),
+                  keys.tenant_quotas(tenant), *revoked],
             args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body,
-                  self.rate_limit_per_s],
+                  self.rate_limit_per_s, q.max_running, q.calls_per_minute, q.output_bytes_per_hour,
+                  60 - now_s % 60, 3600 - now_s % 3600],
         )
+        if isinstance(found, list) and found and found[0] == b"quota":
+            raise QuotaExceeded(found[1].decode(), int(found[2]))
         if found == b"revoked":
             raise Unauthorized(REVOKED)
         if found == b"rate_limited":

@@ -94,6 +94,32 @@ def rate(tenant: str, second: int) -> str:
     return f"{PREFIX}:rate:{tenant}:{second}"
 
 
+def tenant_quotas(tenant: str) -> str:
+    """Hash: the tenant's quota overrides (`runwarden tenant set`), name → limit; none expire."""
+    return f"{PREFIX}:quotas:{tenant}"
+
+
+def tenant_active(tenant: str) -> str:
+    """Set of the tenant's task ids queued or running: its `max_running` quota counts them. Added by
+    the claim, removed by whatever ends the call (finish, cancel, reap, release)."""
+    return f"{PREFIX}:active:{tenant}"
+
+
+def run_active(tenant: str, run_id: str) -> str:
+    """Set of one run's task ids queued or running (a busy workspace cannot be deleted)."""
+    return f"{PREFIX}:runactive:{tenant}:{run_id}"
+
+
+def calls_per_minute(tenant: str, minute: int) -> str:
+    """Counter of the calls a tenant was admitted for in one wall-clock minute."""
+    return f"{PREFIX}:cpm:{tenant}:{minute}"
+
+
+def output_bytes(tenant: str, hour: int) -> str:
+    """Counter of the output bytes of a tenant's shell calls that ended in one wall-clock hour."""
+    return f"{PREFIX}:obytes:{tenant}:{hour}"
+
+
 def revoked_jti(jti: str) -> str:
     """String present while a token id is revoked."""
     return f"{PREFIX}:revoked:{jti}"

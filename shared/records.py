@@ -80,6 +80,9 @@ local function finish(task_key, lease_key, running_key, log_key, done_key, task_
                       now_ms, ttl_ms, code, body, exit_event, retention_ms)
   local idem = redis.call('HGET', task_key, 'idem')
   redis.call('HSET', task_key, 'status', new_status, 'result', result, 'finished_ms', now_ms)
+  for _, set in ipairs(redis.call('HMGET', task_key, 'active', 'run_active')) do
+    if set then redis.call('SREM', set, task_id) end  -- the tenant's and run's slots come back
+  end
   if code ~= '' then redis.call('HSET', task_key, 'code', code, 'body', body) end
   redis.call('PEXPIRE', task_key, ttl_ms)
   if idem then

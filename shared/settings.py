@@ -64,6 +64,10 @@ class Settings:
     visibility_timeout_s: int
     lease_s: int
     rate_limit_per_s: int
+    tenant_max_running: int
+    tenant_calls_per_minute: int
+    tenant_output_bytes_per_hour: int
+    tenant_workspace_bytes: int
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
@@ -104,6 +108,10 @@ class Settings:
             visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
             lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
             rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 1000, 1),
+            tenant_max_running=_int(env, "RUNWARDEN_TENANT_MAX_RUNNING", 64),
+            tenant_calls_per_minute=_int(env, "RUNWARDEN_TENANT_CALLS_PER_MINUTE", 0),
+            tenant_output_bytes_per_hour=_int(env, "RUNWARDEN_TENANT_OUTPUT_BYTES_PER_HOUR", 16 * 1024 ** 3),
+            tenant_workspace_bytes=_int(env, "RUNWARDEN_TENANT_WORKSPACE_BYTES", 10 * 1024 ** 3),
             public_url=_public_url(env.get("RUNWARDEN_PUBLIC_URL", "")),
             trusted_proxies=_int(env, "RUNWARDEN_TRUSTED_PROXIES", 0, 0),
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent

@@ -19,7 +19,8 @@ import pytest
 import redis
 import requests
 
-from shared import devstack, tokens
+from runwarden import devstack
+from shared import tokens
 
 
 @dataclass

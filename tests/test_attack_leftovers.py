@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import devstack
+from runwarden import devstack
 from tests.conftest import ALL_SCOPES, Agent, reachable_workspaces, start_stack
 from workers import cgroups
 

@@ -24,7 +24,8 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from shared import devstack, keys
+from runwarden import devstack
+from shared import keys
 from tests.conftest import ALL_SCOPES, Agent, StackInfo, reachable_workspaces, start_stack
 from tests.streams import collect, connect, raw_upgrade
 from workers.patching import git_blob_sha

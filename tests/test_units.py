@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import devstack
+from runwarden import devstack
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, SchemaInvalid
 from shared.idempotency import parse_key
 from shared.schema import parse_tool_call

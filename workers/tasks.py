@@ -187,10 +187,23 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
             return None
         status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        count_output(ctx.redis, call["tenant"], result)
         return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
     finally:
         with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
             control.unsubscribe(keys.control(task_id))
+
+
+def count_output(client: redis.Redis, tenant: str, result: dict[str, Any]) -> None:
+    """Add a shell call's output to its tenant's hour (the `output_bytes_per_hour` quota), once
+    the call has answered: no client waits on this round trip."""
+    total = (result.get("stdout_bytes") or 0) + (result.get("stderr_bytes") or 0)
+    if total:
+        key = keys.output_bytes(tenant, int(time.time()) // 3600)
+        pipe = client.pipeline(transaction=False)
+        pipe.incrby(key, total)
+        pipe.expire(key, 7200)
+        pipe.execute()
 
 
 def subscribe_control(control: Any, channel: str) -> None:
