@@ -63,6 +63,7 @@ class Settings:
     visibility_timeout_s: int
     lease_s: int
     rate_limit_per_s: int
+    test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, *, require_jwt: bool = True) -> "Settings":
@@ -100,6 +101,7 @@ class Settings:
             visibility_timeout_s=_int(env, "RUNWARDEN_VISIBILITY_TIMEOUT", 3600, 120),
             lease_s=_int(env, "RUNWARDEN_LEASE", 10, 2),
             rate_limit_per_s=_int(env, "RUNWARDEN_RATE_LIMIT", 1000, 1),
+            test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 
     @property
