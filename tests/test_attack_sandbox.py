@@ -47,6 +47,18 @@ def host_processes_of(stack, name: str) -> list[int]:  # type: ignore[no-untyped
     return sorted(found)
 
 
+def host_processes_with(text: str) -> list[int]:
+    """Host pids whose command line contains `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
 def test_no_home_root_or_shadow(agent) -> None:
     result = run(agent, "ls -A /root; echo rc=$?; ls -A /home; echo rc=$?; cat /etc/shadow; echo rc=$?; "
                         "cat /root/.bash_history /root/.ssh/id_rsa 2>&1 | head -c 200; echo")
@@ -302,14 +314,3 @@ def test_concurrent_sandboxes_cannot_see_each_other(agent, make_agent) -> None:
     final = ended(other, peer_id)
     assert final["status"] == "completed" and final["result"]["exit_code"] == 0, final
 
-
-def host_processes_with(text: str) -> list[int]:
-    """Host pids whose command line contains `text`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
