@@ -26,7 +26,7 @@ def handshake(stack, path: str,  # type: ignore[no-untyped-def]
               headers: dict[str, str]) -> tuple[int, dict[str, str], str]:
     """Send a raw upgrade request; the status, headers and (for a refusal) body."""
     url = urlsplit(stack.base_url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=15)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     try:
         connection.request("GET", path, headers={**UPGRADE, **headers})
         response = connection.getresponse()
@@ -171,7 +171,7 @@ def test_bad_after_seq_is_400(shell_task, after_seq: str) -> None:
 
 def test_browser_subprotocol_form(shell_task) -> None:
     owner, task_id = shell_task
-    ws = connect(owner, task_id, subprotocol=True, timeout=15)
+    ws = connect(owner, task_id, subprotocol=True, timeout=30)
     try:
         assert ws.getsubprotocol() == "runwarden.v1"
         received = collect(ws)

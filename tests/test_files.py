@@ -425,7 +425,7 @@ def test_prepared_patch_is_written_during_the_start_and_committed_under_the_lock
         seen: list[object] = []
 
         def meanwhile() -> None:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30
             while t.intent() is None and time.monotonic() < deadline:  # the start already ran in Redis
                 time.sleep(0.001)
             prepared.write()

@@ -163,7 +163,7 @@ def test_connection_stays_usable_after_a_413(agent) -> None:
         assert refused.status_code == 413
         if refused.headers.get("Connection", "").lower() == "close":
             continue
-        following = session.get(url(agent.stack, "/healthz"), timeout=10)  # raises when the server dropped it
+        following = session.get(url(agent.stack, "/healthz"), timeout=30)  # raises when the server dropped it
         assert following.status_code == 200
         session.close()
 
@@ -296,7 +296,7 @@ def test_refusals_before_acceptance_leave_the_key_free(agent, make_agent, refusa
 # --- other routes ----------------------------------------------------------------------------------
 
 def test_tools_listing(stack) -> None:
-    response = requests.get(url(stack, "/v1/tools"), timeout=10)
+    response = requests.get(url(stack, "/v1/tools"), timeout=30)
     assert response.status_code == 200 and response.headers["Content-Type"].startswith("application/json")
     tools = response.json()["tools"]
     assert sorted(t["name"] for t in tools) == ["apply_file_patch", "execute_shell_command", "read_file"]
@@ -307,7 +307,7 @@ def test_tools_listing(stack) -> None:
 
 
 def test_tools_listing_openai_format(stack) -> None:
-    response = requests.get(url(stack, "/v1/tools?format=openai"), timeout=10)
+    response = requests.get(url(stack, "/v1/tools?format=openai"), timeout=30)
     assert response.status_code == 200
     body = response.json()
     assert list(body) == ["tools"] and len(body["tools"]) == 3
@@ -321,16 +321,16 @@ def test_tools_listing_openai_format(stack) -> None:
 
 @pytest.mark.parametrize("fmt", ["%00%ff", "xml", "OPENAI"])
 def test_tools_listing_unknown_format_is_schema_invalid(stack, fmt: str) -> None:
-    response = requests.get(url(stack, f"/v1/tools?format={fmt}"), timeout=10)
+    response = requests.get(url(stack, f"/v1/tools?format={fmt}"), timeout=30)
     assert_problem(response, 400, "schema_invalid")
     assert "/format" in pointers(response)
 
 
 def test_health_ready_metrics(stack) -> None:
-    assert requests.get(url(stack, "/healthz"), timeout=10).status_code == 200
-    ready = requests.get(url(stack, "/readyz"), timeout=10)
+    assert requests.get(url(stack, "/healthz"), timeout=30).status_code == 200
+    ready = requests.get(url(stack, "/readyz"), timeout=30)
     assert ready.status_code == 200, ready.text
-    metrics = requests.get(url(stack, "/metrics"), timeout=10)
+    metrics = requests.get(url(stack, "/metrics"), timeout=30)
     assert metrics.status_code == 200 and metrics.headers["Content-Type"].startswith("text/plain")
     assert "runwarden_http_requests_total" in metrics.text
     assert stack.secret not in metrics.text
@@ -339,7 +339,7 @@ def test_health_ready_metrics(stack) -> None:
 @pytest.mark.parametrize("path", ["/nope", "/v1", "/v1/tool-calls/x/y/z", "/v2/tool-calls", "/%2e%2e/etc/passwd",
                                   "/v1/tools/../../etc/passwd"])
 def test_unknown_route_is_404_problem(stack, path: str) -> None:
-    response = requests.get(url(stack, path), timeout=10)
+    response = requests.get(url(stack, path), timeout=30)
     assert_problem(response, 404, "not_found")
 
 
@@ -347,7 +347,7 @@ def test_unknown_route_is_404_problem(stack, path: str) -> None:
                                           ("PATCH", "/v1/tool-calls/abc"), ("POST", "/v1/tools"),
                                           ("DELETE", "/healthz")])
 def test_wrong_method_is_405_problem(stack, method: str, path: str) -> None:
-    response = requests.request(method, url(stack, path), timeout=10)
+    response = requests.request(method, url(stack, path), timeout=30)
     assert_problem(response, 405)
     assert response.headers.get("Allow")
 
@@ -387,7 +387,7 @@ def test_logs_keep_no_file_contents_or_command_output(agent) -> None:
     assert in_file not in logs and in_output not in logs  # the line is there, without the payload
 
 
-def _task_events(pubsub: redis.client.PubSub, task_id: str, types: set[str], timeout_s: float = 15) -> dict[str, Any]:
+def _task_events(pubsub: redis.client.PubSub, task_id: str, types: set[str], timeout_s: float = 30) -> dict[str, Any]:
     """Celery task events for `task_id` as Flower receives them (kombu's fanout over pub/sub)."""
     found: dict[str, Any] = {}
     deadline = time.monotonic() + timeout_s
@@ -434,7 +434,7 @@ def test_metrics_labels_do_not_echo_client_input(stack) -> None:
     response = requests.post(url(stack), data=json.dumps(body), timeout=10,
                              headers={"Content-Type": "application/json", "Idempotency-Key": "k"})
     assert response.status_code == 401
-    assert marker not in requests.get(url(stack, "/metrics"), timeout=10).text
+    assert marker not in requests.get(url(stack, "/metrics"), timeout=30).text
 
 
 # --- fuzz ------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from shared.settings import Settings
 
 @pytest.fixture(scope="module")
 def live_schema(stack):  # type: ignore[no-untyped-def]
-    document = requests.get(f"{stack.base_url}/openapi.json", timeout=10).json()
+    document = requests.get(f"{stack.base_url}/openapi.json", timeout=30).json()
     return schemathesis.openapi.from_dict(document)
 
 
@@ -28,7 +28,7 @@ def fuzz_agent(stack):  # type: ignore[no-untyped-def]
 def test_document_is_served_and_complete(stack) -> None:
     """The served document is OpenAPI 3.1 and describes what the contract does: its routes, and
     for each tool the contract's parameters (compared with tests/contract.py, not with the code)."""
-    document = requests.get(f"{stack.base_url}/openapi.json", timeout=10).json()
+    document = requests.get(f"{stack.base_url}/openapi.json", timeout=30).json()
     assert document["openapi"].startswith("3.1.")
     documented = {(path, method) for path, item in document["paths"].items() for method in item}
     assert ROUTES <= documented, ROUTES - documented

@@ -364,7 +364,7 @@ def test_a_signal_sent_as_soon_as_the_stream_opens_still_reaches_the_command(age
     """The client need not wait for output: a signal that arrives before the command has started
     (the call still queued, or bwrap still setting the sandbox up) is delivered once it has."""
     task_id = start(agent, "sleep 30", timeout_ms=20000)
-    ws = connect(agent, task_id, timeout=15)
+    ws = connect(agent, task_id, timeout=60)
     time.sleep(delay_s)
     ws.send(json.dumps({"type": "signal", "signal": "SIGINT"}))
     received = collect(ws)
