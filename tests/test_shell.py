@@ -254,6 +254,9 @@ def test_non_utf8_stdout_in_http_result_is_base64(agent) -> None:
     assert base64.b64decode(body["result"]["stdout"]) == b"\xff\xfe"
 
 
+# The sandbox's uid, and a fork bomb beside a neighbour, are tested once, in test_attack_sandbox.py.
+
+
 @contextlib.contextmanager
 def both_pool_processes_busy(agent) -> Iterator[None]:  # type: ignore[no-untyped-def]
     """Both pool processes of the test stack run a call that waits for a file, until the block ends."""
