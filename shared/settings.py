@@ -71,6 +71,7 @@ class Settings:
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
+    test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, *, require_jwt: bool = True) -> "Settings":
@@ -117,6 +118,7 @@ class Settings:
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
             # platform's servers arrives in milliseconds; a client slower than that holds a thread.
             request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
+            test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 
     @property

@@ -21,7 +21,7 @@ import jwt
 import pytest
 import requests
 
-from shared import tokens
+from shared import keys, tokens
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -173,10 +173,16 @@ def test_authorization_header_sent_twice_is_401(stack) -> None:
         connection.close()
 
 
-def test_refused_token_records_nothing_so_the_key_works_afterwards(agent) -> None:
+@pytest.mark.parametrize("refused", ["forged", "expired", "garbage"])
+def test_refused_token_records_nothing_so_the_key_works_afterwards(agent, refused: str) -> None:
     key = uuid.uuid4().hex
-    forged = jwt.encode(claims(tenant=agent.tenant, run_id=agent.run_id), b"x" * 48, algorithm="HS256")
-    assert post_read(agent.stack, f"Bearer {forged}", key).status_code == 401
+    run = {"tenant": agent.tenant, "run_id": agent.run_id}
+    token = {"forged": lambda: jwt.encode(claims(**run), b"x" * 48, algorithm="HS256"),
+             "expired": lambda: _hs(agent.stack.secret.encode(), **run, iat=int(time.time()) - 120,
+                                    exp=int(time.time()) - 60),
+             "garbage": lambda: "nope"}[refused]()
+    assert post_read(agent.stack, f"Bearer {token}", key).status_code == 401
+    assert not agent.stack.redis.exists(keys.idempotency(agent.tenant, key))
     response = post_read(agent.stack, f"Bearer {agent.token}", key)
     assert response.status_code == 404 and response.json()["code"] == "file_not_found"
     assert "Idempotent-Replayed" not in response.headers
@@ -222,9 +228,10 @@ def test_missing_scope_is_403(make_agent, scopes, tool, parameters, needed) -> N
     assert response.headers["Content-Type"] == PROBLEM_JSON
     assert response.json()["code"] == "forbidden_scope"
     assert needed in response.json()["detail"]
+    # Refused before acceptance: no record, no claim, so no message was ever queued for it.
+    assert not caller.stack.redis.exists(keys.task(keys.task_id_for(caller.tenant, key)))
+    assert not caller.stack.redis.exists(keys.idempotency(caller.tenant, key))
     assert not (caller.workspace / "a.txt").exists() and not (caller.workspace / "pwned").exists()
-    time.sleep(0.3)
-    assert not (caller.workspace / "pwned").exists()
 
 
 # --- algorithm confusion on an RS256-configured API ----------------------------------------------

@@ -119,7 +119,9 @@ def own_stack(tmp: Path, **kwargs: Any):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """Two worker mains with one pool child each: a killed child is replaced, the other worker stays."""
-    info, workspaces = own_stack(tmp_path_factory.mktemp("pair"), workers=2, concurrency=1)
+    tmp = tmp_path_factory.mktemp("pair")
+    (tmp / "holds").mkdir()
+    info, workspaces = own_stack(tmp, workers=2, concurrency=1, RUNWARDEN_TEST_HOLD_DIR=str(tmp / "holds"))
     yield info
     info.stack.stop()
     shutil.rmtree(workspaces, ignore_errors=True)
@@ -139,7 +141,6 @@ def _one_line_diff(line_no: int, old: bytes, new: bytes) -> str:
             f"-{old.decode()}+{new.decode()}")
 
 
-@pytest.mark.timeout(150)
 def nameless_file_size(pair: StackInfo, pid: int) -> int:
     """Bytes in the nameless file (O_TMPFILE, '<root>/#<inode> (deleted)' in /proc) a pool child
     writes a prepared patch to before giving it a name; 0 if it holds none."""
@@ -162,34 +163,27 @@ def warm_up_patch(agent: Agent) -> None:
                                            "diff": diff}).status_code == 200
 
 
-def all_pool_children(pair: StackInfo) -> list[int]:
-    return [child for main in worker_mains(pair).values() for child in pool_children(main.pid)]
+class Hold:
+    """A worker held at `moment` of one call (workers/holds.py, armed through the pair's
+    RUNWARDEN_TEST_HOLD_DIR): no race with how fast the worker gets there or past it."""
+
+    def __init__(self, info: StackInfo, task_id: str, moment: str) -> None:
+        self.armed = Path(info.env["RUNWARDEN_TEST_HOLD_DIR"]) / f"{task_id}.{moment}"
+        self.armed.touch()
+
+    def wait(self, timeout_s: float = 60) -> int:
+        """The pid of the pool child, once it is held there."""
+        held = self.armed.with_name(f"{self.armed.name}.held")
+        return int(wait_until(lambda: held.exists() and held.read_text(), timeout_s, f"a worker at {held.name}"))
 
 
-def new_file_writer(pair: StackInfo, children: list[int], task_id: str, path: Path, inode: int) -> int | None:
-    """The pool child once bytes are going into `path`'s replacement: the nameless file it holds, or
-    a temp file beside `path`; or, if we were too slow, once it is renamed in (`path` is no longer
-    `inode`). None before."""
-    for child in children:
-        if nameless_file_size(pair, child) > 0:
-            return child
-    try:
-        named = (any(p.stat().st_size > 0 for p in path.parent.glob(f".{path.name}.rw-*"))
-                 or path.stat().st_ino != inode)
-    except FileNotFoundError:
-        named = False
-    if not named or task_field(pair, task_id, "worker") is None:
-        return None
-    [child] = pool_children(worker_main_pid(pair, task_id))
-    return child
-
-
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("moment", ["during_write", "after_replace"])
 def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, moment: str) -> None:
-    """SIGKILL the pool child while it writes the new file (temp file half written), or right after
-    the rename but before the outcome is recorded (Redis writes paused with CLIENT PAUSE WRITE so
-    the window is certain). The file is always the old or the new version, the call ends, the
-    redelivered message does not apply the patch a second time, and a retry replays."""
+    """SIGKILL the pool child while it holds half of the new file written, or right after the
+    rename but before the outcome is recorded (the worker is held at each moment, so the window is
+    certain). The file is always the old or the new version, the call ends, the redelivered
+    message does not apply the patch a second time, and a retry replays."""
     agent = new_agent(pair)
     agent.workspace.mkdir(parents=True, exist_ok=True)
     old = _big_file()
@@ -202,58 +196,31 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     key, call_id = f"patch-{uuid.uuid4()}", str(uuid.uuid4())
     task_id = keys.task_id_for(agent.tenant, key)
 
-    inode = (agent.workspace / "big.txt").stat().st_ino
     warm_up_patch(agent)
-    children = all_pool_children(pair)
+    hold = Hold(pair, task_id, "mid_write" if moment == "during_write" else "before_finish")
     first: dict[str, requests.Response] = {}
     poster = threading.Thread(target=lambda: first.update(r=agent.call("apply_file_patch", params, key=key,
                                                                        call_id=call_id)))
     poster.start()
-
-    def temp_file() -> list[Path]:
-        return [p for p in agent.workspace.iterdir() if p.name.startswith(".big.txt.rw-")]
-
-    victim = wait_until(lambda: new_file_writer(pair, children, task_id, agent.workspace / "big.txt", inode), 30,
-                        "the worker to start writing its new file", 0.0005)
-    if moment == "after_replace":
-        # Stopped where it is, mid-write, then Redis writes held: the start (the lock and the
-        # intent) ran before the new bytes were written; the finish, after the rename, will wait.
-        os.kill(victim, signal.SIGSTOP)
-        try:
-            pair.redis.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
-        finally:
-            os.kill(victim, signal.SIGCONT)
+    victim = hold.wait()
+    # The start (the lock and the intent) was sent before the new bytes were written.
+    wait_until(lambda: task_field(pair, task_id, "status") == "running", 30, "the start")
+    assert pair.redis.exists(keys.patch_intent(task_id))
     nameless = nameless_file_size(pair, victim)
-    if moment == "after_replace":
-        try:
-            assert task_field(pair, task_id, "status") == "running", "the write was over before it was seen"
-            assert pair.redis.exists(keys.patch_intent(task_id))
-            wait_until(lambda: git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha, 4,
-                       "the rename", 0.005)
-            os.kill(victim, signal.SIGKILL)
-            # Its finish may already wait in Redis, paused; Redis would still run it on UNPAUSE.
-            # Dropping the dead child's connections drops it, so the outcome is never recorded.
-            for client in pair.redis.client_list():
-                if client["name"] == f"runwarden-pool-{victim}":
-                    pair.redis.client_kill_filter(_id=client["id"])
-            assert task_field(pair, task_id, "status") == "running"
-        finally:
-            pair.redis.execute_command("CLIENT", "UNPAUSE")
+    if moment == "during_write":
+        halves = [nameless] + [p.stat().st_size for p in agent.workspace.glob(".big.txt.rw-*")]
+        assert len(new) // 2 in halves, halves  # half the new bytes are written, the rest not yet
+        assert git_blob_sha((agent.workspace / "big.txt").read_bytes()) == old_sha
     else:
-        os.kill(victim, signal.SIGKILL)
-        # The start was sent before the write began: the lock is held, the intent recorded.
-        wait_until(lambda: task_field(pair, task_id, "status") == "running", 2, "the start")
-        assert pair.redis.exists(keys.patch_intent(task_id))
+        assert git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha  # renamed in
+    os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
-    leftovers = temp_file()
-    print(f"\n[faults] patch {moment}: SIGKILL pid {victim}; temp file left: "
-          f"{[p.stat().st_size for p in leftovers]} bytes of {len(new)}"
-          + (f"; nameless file had {nameless} bytes" if moment == "during_write" else ""))
-    wait_until(lambda: not alive(victim), 10, "the child to die")
+    wait_until(lambda: not alive(victim), 30, "the child to die")
+    print(f"\n[faults] patch {moment}: SIGKILL pid {victim}"
+          + (f"; nameless file had {nameless} bytes of {len(new)}" if moment == "during_write" else ""))
+    assert task_field(pair, task_id, "status") == "running"  # the outcome was never recorded
     sha_after_kill = git_blob_sha((agent.workspace / "big.txt").read_bytes())
-    assert sha_after_kill in (old_sha, new_sha)  # never half a file
-    if moment == "after_replace":
-        assert sha_after_kill == new_sha
+    assert sha_after_kill == (old_sha if moment == "during_write" else new_sha)  # never half a file
 
     # The message is delivered again (acks_late + reject_on_worker_lost); the call must end.
     final = terminal(agent, task_id, 60)
@@ -261,12 +228,10 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
     poster.join(60)
     print(f"[faults] patch {moment}: terminal '{final['status']}' {recovered_s:.1f} s after the kill, "
           f"attempts={task_field(pair, task_id, 'attempts')}, POST answered {first['r'].status_code}")
-    sha_final = git_blob_sha((agent.workspace / "big.txt").read_bytes())
-    assert sha_final in (old_sha, new_sha)
-    if final["status"] == "completed":
-        assert final["result"]["new_sha"] == new_sha == sha_final
-    if moment == "after_replace":
-        assert task_field(pair, task_id, "attempts") == "2"  # the redelivery found its own write
+    assert final["status"] == "completed" and final["result"]["new_sha"] == new_sha, final
+    assert git_blob_sha((agent.workspace / "big.txt").read_bytes()) == new_sha
+    assert task_field(pair, task_id, "attempts") == "2"  # the redelivery, which found the lock (and intent) its own
+    assert [p.name for p in agent.workspace.iterdir() if p.name.startswith(".big.txt")] == []
 
     # Retries with the same key and the same request: the patch never applies twice.
     for _ in range(2):
@@ -287,13 +252,13 @@ def test_patch_worker_sigkilled_applies_once_and_atomically(pair: StackInfo, mom
 
 @pytest.mark.timeout(90)
 def test_redelivered_patch_completes_promptly(pair: StackInfo) -> None:
-    """After its worker child is SIGKILLed mid-patch (file lock held, temp file half written), the
-    redelivered message finishes the call (completed, no 5xx) within a few seconds."""
+    """After its worker child is SIGKILLed mid-patch (file lock held, half the new file written),
+    the redelivered message finishes the call (completed, no 5xx) at once: not after the broker's
+    visibility timeout (120 s here)."""
     agent = new_agent(pair)
     agent.workspace.mkdir(parents=True, exist_ok=True)
     old = _big_file()
     (agent.workspace / "big.txt").write_bytes(old)
-    inode = (agent.workspace / "big.txt").stat().st_ino
     params = {"path": "big.txt", "base_sha": git_blob_sha(old),
               "diff": _one_line_diff(1, b"line 0000000\n", b"first!\n")}
     key, call_id = f"patch-{uuid.uuid4()}", str(uuid.uuid4())
@@ -301,16 +266,16 @@ def test_redelivered_patch_completes_promptly(pair: StackInfo) -> None:
     poster = threading.Thread(target=lambda: agent.call("apply_file_patch", params, key=key, call_id=call_id),
                               daemon=True)
     warm_up_patch(agent)
-    children = all_pool_children(pair)
+    hold = Hold(pair, task_id, "mid_write")
     poster.start()
-    victim = wait_until(lambda: new_file_writer(pair, children, task_id, agent.workspace / "big.txt", inode), 30,
-                        "the worker to start writing its new file", 0.001)
+    victim = hold.wait()
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
-    final = terminal(agent, task_id, 15)
+    final = terminal(agent, task_id, 60)
     print(f"\n[faults] redelivered patch: '{final['status']}' ({final['result'].get('code')}) "
           f"{time.monotonic() - killed_at:.1f} s after the kill")
     assert final["status"] == "completed", final
+    assert task_field(pair, task_id, "attempts") == "2"
 
 
 # --- 2. worker child SIGKILLed during a shell call ------------------------------------------------
@@ -337,7 +302,7 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     # bwrap runs with --die-with-parent and is the PID namespace's init: everything inside goes.
-    wait_until(lambda: not processes_with_argv([b"sleep", marker.encode()]), 10, "the sandboxed sleep to end")
+    wait_until(lambda: not processes_with_argv([b"sleep", marker.encode()]), 30, "the sandboxed sleep to end")
     gone_s = time.monotonic() - killed_at
     rest = collect(ws)  # the stream must end by itself: exactly one exit event, saying lost
     ws.close()
@@ -349,14 +314,14 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert rest.close_code == 1000
 
-    final = terminal(agent, task_id, 20)
+    final = terminal(agent, task_id, 60)
     lost_s = time.monotonic() - killed_at
     assert final["status"] == "lost" and final["result"]["code"] == "worker_lost"
-    assert lost_s < 20
 
-    # A replacement child appears; neither it nor the other worker runs the command again.
-    wait_until(lambda: pool_children(victim_main), 20, "celery to replace the pool child")
-    time.sleep(4)  # longer than the lease: time for any redelivery to show up
+    # A replacement child appears; neither it nor the other worker runs the command again: the
+    # broker holds no message of the call that it could deliver (acked on receipt).
+    wait_until(lambda: pool_children(victim_main), 60, "celery to replace the pool child")
+    assert broker_messages_of(pair, task_id) == 0
     assert (agent.workspace / "runs.txt").read_text() == "run\n"
     assert agent.get(task_id).json()["status"] == "lost"
     assert int(task_field(pair, task_id, "attempts") or 0) == 1
@@ -367,10 +332,20 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     assert retry.headers.get("Idempotent-Replayed") == "true"
     again = watch_all(agent, task_id)
     assert [e for e in again if e["type"] == "exit"][0]["status"] == "lost"
-    time.sleep(1)
+    assert broker_messages_of(pair, task_id) == 0  # the replay queued nothing
     assert (agent.workspace / "runs.txt").read_text() == "run\n"
     print(f"\n[faults] shell SIGKILL: stream ended {stream_end_s:.1f} s, GET lost {lost_s:.1f} s, "
           f"sandbox gone {gone_s:.1f} s after the kill (lease 3 s); runs=1")
+
+
+def broker_messages_of(info: StackInfo, task_id: str) -> int:
+    """Messages of a call that the broker could still deliver: waiting in a queue (kombu's Redis
+    lists, one per priority), or delivered and not acked (its `unacked` hash, reserved ones too)."""
+    found = sum(task_id.encode() in message for message in info.redis.hvals("unacked"))
+    for key in info.redis.scan_iter(match=f"{keys.SHELL_QUEUE}*"):
+        if info.redis.type(key) == b"list":
+            found += sum(task_id.encode() in message for message in info.redis.lrange(key, 0, -1))
+    return found
 
 
 def watch_all(agent: Agent, task_id: str) -> list[dict[str, Any]]:
@@ -438,9 +413,8 @@ def test_redis_restart_503_then_recovers(tmp_path: Path) -> None:
         wait_until(lambda: task_field(info, long_id, "status") == "running", 20, "the long call to run")
 
         redis_stack.stop()
-        down_at = time.monotonic()
         answers = []
-        while time.monotonic() - down_at < 4:
+        for _ in range(3):  # a POST, a GET and /readyz, three times over: each one a 503
             for response in (post_shell(agent, "echo during"), agent.get(long_id),
                              agent.http.get(f"{info.base_url}/readyz", timeout=30)):
                 answers.append(response)
@@ -448,8 +422,6 @@ def test_redis_restart_503_then_recovers(tmp_path: Path) -> None:
                 assert response.headers["Content-Type"] == "application/problem+json"
                 assert response.json()["code"] == "unavailable"
                 assert "Traceback" not in response.text and "redis://" not in response.text
-            time.sleep(0.2)
-        assert len(answers) >= 6
 
         # Same port, same password, empty data: what a restart without persistence gives.
         devstack.start_redis(redis_stack, tmp_path / "redis", port=port, password=urlparse(redis_url).password)
@@ -465,16 +437,16 @@ def test_redis_restart_503_then_recovers(tmp_path: Path) -> None:
         assert read.status_code == 200 and read.json()["result"]["sha"] == sha
         serving_s = time.monotonic() - up_at
 
-        # The call that ran across the outage is never reported completed unless it ran to its end.
-        time.sleep(7)
+        # The call that ran across the outage is never reported completed: once its worker is done
+        # with it, its record is what the restart left, nothing (a restart without persistence).
+        worker_log = info.logs / "worker0.log"
+        wait_until(lambda: any(f"[{long_id}] {end}" in worker_log.read_text(errors="replace")
+                               for end in ("succeeded", "raised")), 60, "the worker to be done with the long call")
         response = agent.get(long_id)
-        assert response.status_code in (200, 404), response.text
-        if response.status_code == 200 and response.json()["status"] == "completed":
-            assert response.json()["result"]["stdout"] == "begin\nend\n"
+        assert response.status_code == 404 and response.json()["code"] == "not_found", response.text
         print(f"\n[faults] redis restart: {len(answers)} answers during the outage, all 503 unavailable; "
               f"/readyz 200 {ready_s:.1f} s and calls served {serving_s:.1f} s after Redis came back; "
-              f"call across the outage: {response.status_code} "
-              f"{response.json().get('status') if response.status_code == 200 else response.json()['code']}")
+              f"call across the outage: {response.status_code} {response.json()['code']}")
         assert info.stack.died() is None  # workers and API rode it out; nothing had to be restarted
         api_log = (info.logs / "api.log").read_text(errors="replace")
         assert "Traceback" not in api_log, api_log[-3000:]
@@ -519,18 +491,16 @@ def test_stream_closes_cleanly_when_redis_goes_away(tmp_path: Path) -> None:
         redis_stack.stop()
         stopped_at = time.monotonic()
         frames: list[tuple[int, bytes]] = []
-        while time.monotonic() - stopped_at < 15:
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                break
+        sock.settimeout(60)  # a stream that never tells its client fails here, on TimeoutError
+        while not any(opcode == 0x8 for opcode, _ in frames):
+            chunk = sock.recv(65536)
+            assert chunk, f"the server hung up without a close frame: {received[-300:]!r}"
             received += chunk
             frames, _ = parse_frames(received)  # every byte on the socket is a WebSocket frame
-            if not chunk or any(opcode == 0x8 for opcode, _ in frames):
-                break
         sock.close()
-        # The client learns the stream is over: a close frame (1011 or similar), or at least EOF.
-        assert any(opcode == 0x8 for opcode, _ in frames) or not chunk, received[-300:]
+        # The client learns the stream was interrupted (1011), not that it ended (1000): it resumes with after_seq.
+        [close] = [payload for opcode, payload in frames if opcode == 0x8]
+        assert int.from_bytes(close[:2], "big") == 1011, close
         print(f"\n[faults] stream during a Redis outage ended {time.monotonic() - stopped_at:.1f} s after the stop")
     finally:
         info.stack.stop()
@@ -549,19 +519,30 @@ def test_two_workers_share_calls_and_survivor_serves_after_sigkill(tmp_path: Pat
         (_, victim), (_, survivor) = sorted(mains.items())
         host = socket.gethostname()
 
-        def run_batch(count: int, tag: str) -> list[str]:
+        def run_batch(count: int, tag: str, *, gated: bool = False) -> list[str]:
+            """`gated`: the calls wait for a file `go` in their workspace, made once both workers
+            run one at the same time (so the spread does not hang on how fast each worker starts)."""
             ids = []
             for i in range(count):
-                response = post_shell(agents[i % len(agents)], f"sleep 0.2; echo {tag} {i}")
+                gate = "while [ ! -e go ]; do sleep 0.05; done; " if gated else ""
+                response = post_shell(agents[i % len(agents)], f"{gate}sleep 0.2; echo {tag} {i}")
                 assert response.status_code == 202, response.text
                 ids.append(response.json()["task_id"])
+            if gated:
+                both = {f"{host}:{victim.pid}", f"{host}:{survivor.pid}"}
+                wait_until(lambda: {task_field(info, t, "worker") for t in ids
+                                    if task_field(info, t, "status") == "running"} == both, 60,
+                           "both workers to run a call at once")
+                for agent in agents:
+                    agent.workspace.mkdir(parents=True, exist_ok=True)  # a queued call's may not exist yet
+                    (agent.workspace / "go").touch()
             for i, task_id in enumerate(ids):
                 body = terminal(agents[i % len(agents)], task_id, 60)
                 assert body["status"] == "completed" and body["result"]["stdout"] == f"{tag} {i}\n", \
                     (body["status"], body.get("result"))  # the result says why, should it fail
             return [task_field(info, t, "worker") for t in ids]  # type: ignore[misc]
 
-        spread = run_batch(20, "before")
+        spread = run_batch(20, "before", gated=True)
         counts = {w: spread.count(w) for w in set(spread)}
         assert set(counts) == {f"{host}:{victim.pid}", f"{host}:{survivor.pid}"}, counts
 
@@ -569,8 +550,8 @@ def test_two_workers_share_calls_and_survivor_serves_after_sigkill(tmp_path: Pat
         members = [victim.pid, *pool_children(victim.pid)]
         os.killpg(group, signal.SIGKILL)  # the main and its pool children, at once
         killed_at = time.monotonic()
-        victim.wait(10)
-        wait_until(lambda: not any(alive(pid) for pid in members), 10, "the killed worker's processes to go")
+        victim.wait(30)
+        wait_until(lambda: not any(alive(pid) for pid in members), 30, "the killed worker's processes to go")
         after = run_batch(10, "after")
         recovered_s = time.monotonic() - killed_at
         assert set(after) == {f"{host}:{survivor.pid}"}

@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import websocket
 
 from tests.conftest import ALL_SCOPES, Agent, StackInfo, reachable_workspaces, start_stack
-from tests.streams import Received, raw_upgrade, watch
+from tests.streams import Received, collect, connect, raw_upgrade, watch
 
 TERMINAL = {"completed", "failed", "cancelled", "lost"}
 
@@ -161,35 +162,41 @@ def stalled_reader(info: StackInfo, agent: Agent, task_id: str) -> socket.socket
     return raw_upgrade(agent, task_id, receive_buffer=16384)
 
 
-def watch_safely(agent: Agent, task_id: str, timeout: float) -> Received | str:
+def collect_safely(ws: websocket.WebSocket) -> Received | str:
     try:
-        return watch(agent, task_id, timeout=timeout)
+        return collect(ws)
     except Exception as exc:  # noqa: BLE001 - reported as a failed stream, with the reason
         return f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        ws.close()
 
 
 def readers_scenario(info: StackInfo, watchers: int, stalled_count: int) -> dict[str, Any]:
     """A ~20 MB call with `stalled_count` clients that never read plus one ordinary reader, and a
-    small call followed by `watchers` clients; both calls are quiet for their first 3 s, so every
-    client is connected and waiting at once. Returns what each reader got and the API's RSS."""
+    small call followed by `watchers` clients; both calls wait for a file until every client has
+    connected, so all are connected and waiting at once. Returns what each reader got and the API's RSS."""
     agent = new_agent(info)
     api_pid = api_worker_pid(info)
     sampler = RssSampler(api_pid)
     line = b"runwarden load test line, 32 b\n"
     size = 20_000_000
     big_expected = (line * (size // len(line) + 1))[:size]
-    big = start_call(agent, f"sleep 3; yes '{line[:-1].decode()}' | head -c {size}")
-    ticks = start_call(agent, "sleep 3; for i in $(seq 1 40); do echo tick $i; sleep 0.02; done")
+    gate = "while [ ! -e go ]; do sleep 0.05; done"
+    big = start_call(agent, f"{gate}; yes '{line[:-1].decode()}' | head -c {size}")
+    ticks = start_call(agent, f"{gate}; for i in $(seq 1 40); do echo tick $i; sleep 0.02; done")
     ticks_expected = b"".join(b"tick %d\n" % i for i in range(1, 41))
     stalled = [stalled_reader(info, agent, big) for _ in range(stalled_count)]
-    started = time.monotonic()
     try:
+        ordinary = connect(agent, big, timeout=60)
+        watching = [connect(agent, ticks, timeout=60) for _ in range(watchers)]
+        agent.workspace.mkdir(parents=True, exist_ok=True)
+        (agent.workspace / "go").touch()
+        started = time.monotonic()
         with ThreadPoolExecutor(watchers + 1) as pool:
-            ordinary = pool.submit(watch_safely, agent, big, 60)
-            watching = [pool.submit(watch_safely, agent, ticks, 30) for _ in range(watchers)]
-            tick_streams = [future.result() for future in watching]
+            big_future = pool.submit(collect_safely, ordinary)
+            tick_streams = list(pool.map(collect_safely, watching))
             watchers_s = time.monotonic() - started
-            big_stream = ordinary.result()
+            big_stream = big_future.result()
             ordinary_s = time.monotonic() - started
         peak = sampler.stop()
     finally:
@@ -203,36 +210,11 @@ def readers_scenario(info: StackInfo, watchers: int, stalled_count: int) -> dict
             "watchers_s": watchers_s, "ordinary_s": ordinary_s}
 
 
-@pytest.fixture(scope="module")
-def stalled_run(load_stack: StackInfo) -> dict[str, Any]:
-    run = readers_scenario(load_stack, watchers=20, stalled_count=50)
-    print(f"\n[load] API RSS {run['before']:.0f} MiB before, peak {run['peak']:.0f} MiB, {run['after']:.0f} MiB "
-          f"after: 50 stalled readers of a 20 MB stream + 1 full reader + 20 watchers of another call; "
-          f"{(run['peak'] - run['before']) / 50:.1f} MiB per stalled reader; watchers done "
-          f"{run['watchers_s']:.1f} s, 20 MB reader {run['ordinary_s']:.1f} s")
-    return run
-
-
-@pytest.mark.timeout(120)
-def test_50_stalled_readers_do_not_disturb_other_streams(load_stack: StackInfo, stalled_run) -> None:  # type: ignore[no-untyped-def]
-    run = stalled_run
-    assert run["failures"] == []
-    for received in run["tick_streams"]:
-        check_stream(received, run["ticks_expected"])
-    assert not isinstance(run["big_stream"], str), run["big_stream"]
-    check_stream(run["big_stream"], run["big_expected"])  # the same 20 MB call, read in full
-    assert final(run["agent"], run["big"])["status"] == "completed"
-    # The API still answers once the stalled clients are gone.
-    assert run["agent"].shell("echo still here", wait=30).json()["result"]["stdout"] == "still here\n"
-
-
-@pytest.mark.timeout(120)
-def test_50_stalled_readers_keep_api_memory_bounded(stalled_run) -> None:  # type: ignore[no-untyped-def]
-    assert stalled_run["peak"] - stalled_run["before"] < 100  # MiB: 2 MiB per stalled reader of a 20 MB stream
-
-
 @pytest.mark.timeout(120)
 def test_100_watchers_and_50_stalled_readers_all_streams_complete(load_stack: StackInfo) -> None:
+    """Every stream completes byte for byte, the 20 MB one its stalled readers never read
+    included, and the API survives them (its memory is bench/'s to measure, not a test's)."""
+    api_pid = api_worker_pid(load_stack)
     run = readers_scenario(load_stack, watchers=100, stalled_count=50)
     print(f"\n[load] 100 watchers + 50 stalled + 1 reader: {len(run['failures'])} watcher streams failed "
           f"{sorted(set(run['failures']))[:3]}; API RSS {run['before']:.0f} -> peak {run['peak']:.0f} MiB")
@@ -240,8 +222,11 @@ def test_100_watchers_and_50_stalled_readers_all_streams_complete(load_stack: St
     for received in run["tick_streams"]:
         check_stream(received, run["ticks_expected"])
     assert not isinstance(run["big_stream"], str), run["big_stream"]
-    check_stream(run["big_stream"], run["big_expected"])
-    assert run["peak"] - run["before"] < 200
+    check_stream(run["big_stream"], run["big_expected"])  # the same 20 MB call, read in full
+    assert final(run["agent"], run["big"])["status"] == "completed"
+    # The API's process rode it out (not restarted by gunicorn) and still answers once the stalled clients are gone.
+    assert api_worker_pid(load_stack) == api_pid and load_stack.stack.died() is None
+    assert run["agent"].shell("echo still here", wait=30).json()["result"]["stdout"] == "still here\n"
 
 
 # --- output flood with a small cap ------------------------------------------------------------------
@@ -260,31 +245,34 @@ def capped_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("command,unit", [("yes", b"y\n"), ("cat /dev/urandom", None)])
-def test_output_flood_stops_at_cap(capped_stack: StackInfo, command: str, unit: bytes | None) -> None:
+@pytest.mark.parametrize("command", ["yes", "while :; do cat flood.bin; done"], ids=["text", "binary"])
+def test_output_flood_stops_at_cap(capped_stack: StackInfo, command: str) -> None:
+    """An endless flood, of text or of random bytes (a file written here, so the bytes expected are
+    known), is stopped at the cap: exactly the first CAP bytes, then the exit event says truncated.
+    The worker's pool child survives it (its memory is bench/'s to measure)."""
     agent = new_agent(capped_stack)
+    unit = b"y\n" if command == "yes" else os.urandom(300_000)
+    agent.workspace.mkdir(parents=True, exist_ok=True)
+    (agent.workspace / "flood.bin").write_bytes(unit)
+    expected = (unit * (CAP // len(unit) + 1))[:CAP]
     [main] = [p for name, p in capped_stack.stack.children if name.startswith("w")]
     [child] = _children(main.pid, b"celery")
     sampler = RssSampler(child, 0.02)
     started = time.monotonic()
     task_id = start_call(agent, command)
-    received = watch(agent, task_id, timeout=30)
+    received = watch(agent, task_id, timeout=60)
     elapsed = time.monotonic() - started
     peak = sampler.stop()
-    out = received.bytes_of("stdout")
     received.check_sequence()
     assert received.close_code == 1000
     exit_event = received.exit
     assert exit_event["truncated"] is True
-    assert exit_event["stdout_bytes"] == len(out) == CAP
-    assert exit_event["stdout_sha256"] == hashlib.sha256(out).hexdigest()
-    if unit is not None:
-        assert out == (unit * (CAP // len(unit) + 1))[:CAP]
+    assert received.bytes_of("stdout") == expected
+    assert exit_event["stdout_bytes"] == CAP and exit_event["stdout_sha256"] == hashlib.sha256(expected).hexdigest()
     body = final(agent, task_id)
     assert body["status"] == "completed" and body["result"]["truncated"] is True
     assert body["result"]["stdout_bytes"] == CAP
-    assert elapsed < 10
+    assert _children(main.pid, b"celery") == [child]  # the same pool child: not killed, not recycled
     print(f"\n[load] flood `{command}` with cap {CAP}: stopped at {exit_event['stdout_bytes']} bytes, "
           f"exit {exit_event['exit_code']} {exit_event['signal']}, {elapsed:.2f} s; worker child RSS "
           f"{sampler.start:.0f} -> peak {peak:.0f} MiB")
-    assert peak - sampler.start < 100

@@ -9,13 +9,13 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
                                  status_code_conformance)
 
 from api import openapi
-from shared.schema import TOOLS
 from tests.conftest import Agent
+from tests.contract import ROUTES, assert_tool_parameters
 from shared.settings import Settings
 
 @pytest.fixture(scope="module")
 def live_schema(stack):  # type: ignore[no-untyped-def]
-    document = requests.get(f"{stack.base_url}/openapi.json", timeout=10).json()
+    document = requests.get(f"{stack.base_url}/openapi.json", timeout=30).json()
     return schemathesis.openapi.from_dict(document)
 
 
@@ -26,11 +26,18 @@ def fuzz_agent(stack):  # type: ignore[no-untyped-def]
 
 
 def test_document_is_served_and_complete(stack) -> None:
-    document = requests.get(f"{stack.base_url}/openapi.json", timeout=10).json()
-    assert document == openapi.document()
+    """The served document is OpenAPI 3.1 and describes what the contract does: its routes, and
+    for each tool the contract's parameters (compared with tests/contract.py, not with the code)."""
+    document = requests.get(f"{stack.base_url}/openapi.json", timeout=30).json()
+    assert document["openapi"].startswith("3.1.")
+    documented = {(path, method) for path, item in document["paths"].items() for method in item}
+    assert ROUTES <= documented, ROUTES - documented
     variants = document["paths"]["/v1/tool-calls"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert {v["properties"]["tool_name"]["const"]: v["properties"]["parameters"] for v in variants["oneOf"]} == \
-        {name: tool.parameters for name, tool in TOOLS.items()}
+    assert_tool_parameters({v["properties"]["tool_name"]["const"]: v["properties"]["parameters"]
+                            for v in variants["oneOf"]})
+    for variant in variants["oneOf"]:
+        assert set(variant["required"]) == {"tool_name", "call_id", "parameters"}, variant
+        assert variant["properties"]["call_id"]["format"] == "uuid" and variant["additionalProperties"] is False
 
 
 def test_every_route_is_documented(stack) -> None:

@@ -62,6 +62,7 @@ class Prepared:
     fd: int
     outcome: dict[str, Any]
     written: bool = False
+    midway: Callable[[], None] | None = None  # test mode: workers/holds.py
 
     @property
     def intent(self) -> bytes:
@@ -70,7 +71,7 @@ class Prepared:
     def write(self) -> None:
         """Never raises: a failed write leaves the patch to the locked path, which meets it again."""
         try:
-            workspace.fill(self.fd, self.data, self.metadata)
+            workspace.fill(self.fd, self.data, self.metadata, self.midway)
             self.written = True
         except Exception:  # the reply to the start must still be read
             log.warning("a prepared patch could not be written; applying it the locked way", exc_info=True)
@@ -102,18 +103,19 @@ class PatchApplier:
         self.replaced: list[int] = []
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
-              base_sha: str, held: bytes | None) -> dict[str, Any]:
+              base_sha: str, held: bytes | None, midway: Callable[[], None] | None = None) -> dict[str, Any]:
         """`held`: the task's earlier intent if the call's start took the file's lock (b"" if
-        none), None if the lock is still to be taken."""
+        none), None if the lock is still to be taken. `midway`: test mode, workers/holds.py."""
         try:
             patch = patching.parse(diff.encode("utf-8", "surrogateescape"))
         except UnicodeEncodeError:
             raise PatchDoesNotApply("The diff is not encodable as UTF-8.") from None
         intent = held if held is not None else self._lock(keys.file_lock(tenant, run_id, path), task_id)
         with workspace.parent_dir(ws, path, create=patch.creates or base_sha == ZERO_SHA) as (dir_fd, name):
-            return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha, intent)
+            return self._apply_locked(dir_fd, name, task_id, path, patch, base_sha, intent, midway)
 
-    def prepare(self, stack: ExitStack, ws: Path, path: str, diff: str, base_sha: str) -> Prepared | None:
+    def prepare(self, stack: ExitStack, ws: Path, path: str, diff: str, base_sha: str,
+                midway: Callable[[], None] | None = None) -> Prepared | None:
         """Work out the patch before the lock is taken, when that is simple: the file (or its
         absence) is at base_sha, its directory exists, the patch applies and does not delete, and a
         spare file is ready. Anything else (including every refusal) is None, left to `apply`."""
@@ -133,7 +135,8 @@ class PatchApplier:
         outcome = {"path": path, "base_sha": base_sha, "new_sha": git_blob_sha(new_data),
                    "created": current.data is None, "deleted": False}
         read_id = None if current.data is None else workspace.identity_of(self.replaced[-1])  # the file read, held open
-        return Prepared(dir_fd, name, read_id, new_data, workspace.new_file_metadata(dir_fd, current), fd, outcome)
+        return Prepared(dir_fd, name, read_id, new_data, workspace.new_file_metadata(dir_fd, current), fd, outcome,
+                        midway=midway)
 
     def forget_intent(self, task_id: str) -> None:
         """Drop an intent recorded for a prepared patch that was not committed."""
@@ -155,8 +158,8 @@ class PatchApplier:
             time.sleep(0.005)
         return intent
 
-    def _apply_locked(self, dir_fd: int, name: str, task_id: str, path: str,
-                      patch: patching.FilePatch, base_sha: str, intent: bytes) -> dict[str, Any]:
+    def _apply_locked(self, dir_fd: int, name: str, task_id: str, path: str, patch: patching.FilePatch,
+                      base_sha: str, intent: bytes, midway: Callable[[], None] | None) -> dict[str, Any]:
         current = workspace.read(dir_fd, name, keep_open=self.replaced)
         current_sha = git_blob_sha(current.data) if current.data is not None else ZERO_SHA
         if intent and (earlier := json.loads(intent))["new_sha"] == current_sha:
@@ -180,7 +183,8 @@ class PatchApplier:
                 confirmed()
                 workspace.delete(dir_fd, name)
             else:
-                workspace.replace(dir_fd, name, new_data, current, before_rename=confirmed, spare=self.spare)
+                workspace.replace(dir_fd, name, new_data, current, before_rename=confirmed, spare=self.spare,
+                                  midway=midway)
         return outcome
 
     @contextmanager

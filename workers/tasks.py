@@ -26,6 +26,7 @@ from shared.records import Records, exit_event
 from shared.settings import Settings
 from workers import workspace
 from workers.files import PatchApplier, Prepared, read_file as read_file_tool
+from workers.holds import Holds
 from workers.sandbox import Runner
 from workers.shell import ShellCall
 
@@ -53,6 +54,7 @@ class WorkerContext:
         self.sandbox_owner = getattr(runner, "host_uid", None)
         self.name = WORKER_NAME
         self.control = self.redis.pubsub()  # one connection per process, a channel per call
+        self.holds = Holds(settings.test_hold_dir)  # test mode only; off in production
 
     def workspace(self, tenant: str, run_id: str) -> Path:
         return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
@@ -93,6 +95,8 @@ class RunwardenTask(Task):
             return self._record_error(call, error, lock)
         try:
             result = tool(started.intent)
+            if before_finish := self.ctx.holds.point("before_finish", task_id):
+                before_finish()
         except RunwardenError as exc:
             return self._record_error(call, exc, lock)
         except OSError as exc:
@@ -144,6 +148,7 @@ def read_file(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
              reject_on_worker_lost=True, ignore_result=True)
 def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
     patches, p = self.ctx.patches, call["parameters"]
+    midway = self.ctx.holds.point("mid_write", self.request.id)
 
     def tool(held: bytes | None) -> dict[str, Any]:
         if prepared is not None and held == b"":  # the lock is ours, recorded with the prepared intent
@@ -152,13 +157,13 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
             patches.forget_intent(self.request.id)  # another patch wrote the file since it was read
         ws = self.ctx.workspace(call["tenant"], call["run_id"])
         return patches.apply(ws, call["tenant"], call["run_id"], self.request.id, p["path"], p["diff"],
-                             p["base_sha"], held)
+                             p["base_sha"], held, midway)
     try:
         with ExitStack() as stack:
             prepared = None
             with suppress(OSError):  # then the tool meets the same failure, and it is recorded
                 ws = self.ctx.workspace(call["tenant"], call["run_id"])
-                prepared = patches.prepare(stack, ws, p["path"], p["diff"], p["base_sha"])
+                prepared = patches.prepare(stack, ws, p["path"], p["diff"], p["base_sha"], midway)
             return self.file_call(call, tool, lock=keys.file_lock(call["tenant"], call["run_id"], p["path"]),
                                   prepared=prepared)
     finally:

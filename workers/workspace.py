@@ -211,16 +211,25 @@ def new_file_metadata(dir_fd: int, like: FileState) -> tuple[int, int, int]:
     return 0o644, st_dir.st_uid, st_dir.st_gid
 
 
-def fill(fd: int, data: bytes, like: tuple[int, int, int]) -> None:
-    """Write `data` to the empty file `fd`, give it `like`'s mode and owner, and flush it to disk."""
+def fill(fd: int, data: bytes, like: tuple[int, int, int], midway: Callable[[], None] | None = None) -> None:
+    """Write `data` to the empty file `fd`, give it `like`'s mode and owner, and flush it to disk.
+    `midway` (test mode, workers/holds.py) runs once half the bytes are written."""
     mode, uid, gid = like
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    if midway is not None:
+        _write_all(fd, view[:len(view) // 2])
+        midway()
+        view = view[len(view) // 2:]
+    _write_all(fd, view)
     if os.geteuid() == 0:
         os.fchown(fd, uid, gid)
     os.fchmod(fd, mode)
     os.fsync(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _temp_name(name: str) -> str:
@@ -228,17 +237,18 @@ def _temp_name(name: str) -> str:
 
 
 def replace(dir_fd: int, name: str, data: bytes, like: FileState,
-            before_rename: Callable[[], None] = lambda: None, spare: SpareFile | None = None) -> None:
+            before_rename: Callable[[], None] = lambda: None, spare: SpareFile | None = None,
+            midway: Callable[[], None] | None = None) -> None:
     """Atomically put `data` at `name`, keeping the old file's mode and owner (or the directory's).
     `before_rename` runs once the bytes are on disk, just before they replace the file; the temp
-    file is `spare`, when one is ready."""
+    file is `spare`, when one is ready; `midway` is `fill`'s."""
     tmp = _temp_name(name)
     fd = spare.take(dir_fd, tmp) if spare else None
     if fd is None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         try:
-            fill(fd, data, new_file_metadata(dir_fd, like))
+            fill(fd, data, new_file_metadata(dir_fd, like), midway)
         finally:
             os.close(fd)
         before_rename()
