@@ -2,6 +2,7 @@
 contract instead of with the code's own values."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Section 2: each tool's (required, optional) parameters.
@@ -31,4 +32,9 @@ def assert_tool_parameters(schemas: dict[str, dict[str, Any]]) -> None:
     timeout = schemas["execute_shell_command"]["properties"]["timeout_ms"]
     assert (timeout["type"], timeout["minimum"], timeout["maximum"], timeout["default"]) == ("integer", 1, 60000, 30000)
     base_sha = schemas["apply_file_patch"]["properties"]["base_sha"]
-    assert base_sha["pattern"] == "^[0-9a-f]{40}$" and base_sha["maxLength"] == 40
+    assert base_sha["maxLength"] == 40
+    # JSON Schema patterns are searched (ECMA-262): forty hex digits, the whole value, nothing else.
+    pattern = re.compile(base_sha["pattern"])
+    assert pattern.search("0123456789abcdef" * 2 + "01234567")
+    for wrong in ("a" * 39, "a" * 41, "A" * 40, "a" * 40 + "\n", "\n" + "a" * 40, "g" * 40):
+        assert not pattern.search(wrong), wrong
