@@ -5,7 +5,7 @@ from flask import request
 
 from api.runtime import runtime
 from shared import keys, tokens
-from shared.errors import Unauthorized
+from shared.errors import ForbiddenOrigin, Unauthorized
 from shared.tokens import Grant
 
 MAX_TOKEN = 8192
@@ -54,3 +54,11 @@ def authenticate(*, allow_subprotocol: bool = False, check_revoked: bool = True)
 def refuse_if_revoked(grant: Grant) -> None:
     if grant.jti is not None and runtime().redis.exists(keys.revoked_jti(grant.jti)):
         raise Unauthorized(tokens.REVOKED)
+
+
+def refuse_foreign_origin() -> None:
+    """A browser's request from a page outside RUNWARDEN_ALLOWED_ORIGINS is refused (403): cross-site
+    WebSocket hijacking, and DNS rebinding against /mcp. Clients that are not browsers send no Origin."""
+    origin = request.headers.get("Origin")
+    if origin is not None and origin not in runtime().settings.allowed_origins:
+        raise ForbiddenOrigin("This Origin may not call runwarden (RUNWARDEN_ALLOWED_ORIGINS).")

@@ -69,6 +69,47 @@ def _model_native(operation_id: str, block: dict[str, Any], answer: dict[str, An
     }}
 
 
+_JSON_RPC = {  # what /mcp answers: a JSON-RPC response or error
+    "type": "object",
+    "required": ["jsonrpc"],
+    "properties": {
+        "jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer", "null"]}, "result": {"type": "object"},
+        "error": {"type": "object", "required": ["code", "message"],
+                  "properties": {"code": {"type": "integer"}, "message": {"type": "string"}, "data": {}}},
+    },
+}
+_MCP_METHODS = ["initialize", "ping", "tools/list", "tools/call", "notifications/initialized",
+                "notifications/cancelled"]
+
+
+def _mcp() -> dict[str, Any]:
+    message = {"type": "object", "required": ["jsonrpc", "method"],
+               "properties": {"jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer"]},
+                              "method": {"type": "string", "enum": _MCP_METHODS}, "params": {"type": "object"}}}
+    either = {"application/json": {"schema": _JSON_RPC}, "application/problem+json": {"schema": _PROBLEM}}
+    return {"post": {
+        "operationId": "mcp", "security": [{"bearer": []}],
+        "description": "The Model Context Protocol's Streamable HTTP transport, stateless (protocol 2025-11-25; "
+                       "2025-06-18 and 2025-03-26 too): one JSON-RPC message per POST. GET and DELETE answer 405.",
+        "parameters": [
+            {"name": "MCP-Protocol-Version", "in": "header", "required": False, "schema": {"type": "string"}},
+            {"name": "Idempotency-Key", "in": "header", "required": False,
+             "schema": {"type": "string", "pattern": KEY_RE.pattern}},
+        ],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": message}}},
+        "responses": {
+            "200": {"description": "the JSON-RPC response; for a shell tools/call with a progress token, an SSE "
+                                   "stream of notifications/progress ending with it",
+                    "content": {"application/json": {"schema": _JSON_RPC},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            "202": {"description": "a notification (or a client's response): accepted, no body"},
+            "400": {"description": "a body that is not one JSON-RPC message (a JSON-RPC error), or a bad "
+                                   "Idempotency-Key (a problem)", "content": either},
+            **_problems(401, 403, 413, 415, 429, 503),
+        },
+    }}
+
+
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -120,6 +161,7 @@ def document() -> dict[str, Any]:
             },
             "/v1/tool-use": _model_native("toolUse", _TOOL_USE, _TOOL_RESULT),
             "/v1/openai/tool-calls": _model_native("openaiToolCalls", _OPENAI_CALL, _OPENAI_MESSAGE),
+            "/mcp": _mcp(),
             "/v1/tools": {"get": {
                 "operationId": "listTools", "security": [],
                 "parameters": [{"name": "format", "in": "query", "required": False,

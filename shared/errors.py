@@ -78,7 +78,8 @@ class CommandForbidden(RunwardenError):
 
 
 class ForbiddenOrigin(RunwardenError):
-    """A WebSocket handshake from an Origin outside RUNWARDEN_ALLOWED_ORIGINS (cross-site hijacking)."""
+    """A WebSocket handshake or an MCP request from an Origin outside RUNWARDEN_ALLOWED_ORIGINS
+    (cross-site hijacking, DNS rebinding)."""
     code, status, title = "forbidden_origin", 403, "Origin not allowed"
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import uuid
 
 PREFIX = "rw"
@@ -123,6 +124,15 @@ def output_bytes(tenant: str, hour: int) -> str:
 def revoked_jti(jti: str) -> str:
     """String present while a token id is revoked."""
     return f"{PREFIX}:revoked:{jti}"
+
+
+def mcp_request(tenant: str, run_id: str, sub: str, request_id: str) -> str:
+    """String: the task id a running MCP `tools/call` started, found by who sent it (tenant, run, sub)
+    and its JSON-RPC id (as JSON text, so 1 and "1" differ), so that a `notifications/cancelled`
+    reaching a stateless server can cancel it. Set when the call is claimed; expires a minute after
+    the longest the call may take."""
+    who = hashlib.sha256(f"{run_id}\x00{sub}\x00{request_id}".encode()).hexdigest()
+    return f"{PREFIX}:mcp:{tenant}:{who}"
 
 
 RUNNING_SET = f"{PREFIX}:running"  # sorted set of task ids running, scored by start time, for the reaper

@@ -35,6 +35,20 @@ _PATH = {
     "maxLength": MAX_PATH,
     "description": "Relative POSIX path inside the run's workspace (no leading '/', no '..').",
 }
+_SHA1 = {"type": "string", "pattern": "^[0-9a-f]{40}$"}
+_SHA256 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+
+
+def _stream_fields(name: str) -> dict[str, Any]:
+    """What a shell result says of one output stream (workers/relay.py `StreamCopy.result_fields`)."""
+    return {
+        name: {"type": "string", "description": f"The {name} bytes (their start when {name}_truncated): "
+                                                f"UTF-8 text, or base64 when {name}_encoding says so."},
+        f"{name}_encoding": {"type": "string", "enum": ["utf-8", "base64"]},
+        f"{name}_bytes": {"type": "integer", "minimum": 0, "description": f"Size of the whole {name}."},
+        f"{name}_sha256": {**_SHA256, "description": f"sha256 of the whole {name}."},
+        f"{name}_truncated": {"type": "boolean", "description": "Only the start is here; the stream has it all."},
+    }
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,11 @@ class Tool:
     streams: bool  # a shell call: answered 202 with a stream, its output relayed live
     description: str
     parameters: dict[str, Any]
+    # The `result` of a completed call (`GET /v1/tool-calls/{id}`), as JSON Schema: MCP's outputSchema.
+    # Open (no additionalProperties: false), so a field added later does not break a client's check.
+    result: dict[str, Any]
+    read_only: bool = False  # it never changes the workspace (MCP readOnlyHint; else destructiveHint)
+    idempotent: bool = False  # sent again with the same arguments, it changes nothing more (idempotentHint)
 
     @property
     def task_name(self) -> str:
@@ -68,13 +87,28 @@ TOOLS: dict[str, Tool] = {
             scope="files:read",
             queue=FILE_QUEUE,
             streams=False,
-            description="Read a file of the workspace. Returns its bytes (UTF-8 text or base64) and its git blob SHA.",
+            description=(
+                "Read a file of the workspace. Returns its bytes (UTF-8 text or base64) and its git blob SHA. "
+                "Answers within seconds."
+            ),
             parameters={
                 "type": "object",
                 "properties": {"path": _PATH},
                 "required": ["path"],
                 "additionalProperties": False,
             },
+            result={
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "sha": {**_SHA1, "description": "git blob SHA-1 of the bytes: the base_sha of a patch."},
+                    "size": {"type": "integer", "minimum": 0},
+                    "encoding": {"type": "string", "enum": ["utf-8", "base64"]},
+                    "content": {"type": "string", "description": "The bytes, as `encoding` says."},
+                },
+                "required": ["path", "sha", "size", "encoding", "content"],
+            },
+            read_only=True,
         ),
         Tool(
             name="apply_file_patch",
@@ -83,7 +117,8 @@ TOOLS: dict[str, Tool] = {
             streams=False,
             description=(
                 "Apply a unified diff to one file, exactly, only if the file's git blob SHA is base_sha "
-                "(forty zeros: the file must not exist yet). '+++ /dev/null' deletes the file."
+                "(forty zeros: the file must not exist yet). '+++ /dev/null' deletes the file. "
+                "Answers within seconds."
             ),
             parameters={
                 "type": "object",
@@ -97,6 +132,18 @@ TOOLS: dict[str, Tool] = {
                 "required": ["path", "diff", "base_sha"],
                 "additionalProperties": False,
             },
+            result={
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "base_sha": _SHA1,
+                    "new_sha": {**_SHA1, "description": "The file's sha now (forty zeros once deleted)."},
+                    "created": {"type": "boolean"},
+                    "deleted": {"type": "boolean"},
+                },
+                "required": ["path", "base_sha", "new_sha", "created", "deleted"],
+            },
+            idempotent=True,
         ),
         Tool(
             name="execute_shell_command",
@@ -109,7 +156,9 @@ TOOLS: dict[str, Tool] = {
                 "directory prefix up to the first wildcard (docs/** and docs/*.md show docs/, read-write); "
                 "a pattern with a wildcard in its first segment (**, *.md) shows the whole workspace, "
                 "and the rest of the workspace root is absent and read-only. "
-                "Output streams over WebSocket; the result holds exit code, byte counts and sha256."
+                "Output streams over WebSocket; the result holds exit code, byte counts and sha256. "
+                "The call lasts as long as the command, at most timeout_ms (default 30 s, at most 60 s): "
+                "keep timeout_ms below your client's own request timeout."
             ),
             parameters={
                 "type": "object",
@@ -122,6 +171,20 @@ TOOLS: dict[str, Tool] = {
                 },
                 "required": ["command"],
                 "additionalProperties": False,
+            },
+            result={
+                "type": "object",
+                "properties": {
+                    "exit_code": {"type": "integer", "description": "128+N when signal N ended the command."},
+                    "signal": {"type": ["string", "null"], "description": "The ending signal's name, or null."},
+                    "timed_out": {"type": "boolean"},
+                    "truncated": {"type": "boolean", "description": "The output cap stopped the command."},
+                    "duration_ms": {"type": "integer", "minimum": 0},
+                    **_stream_fields("stdout"),
+                    **_stream_fields("stderr"),
+                },
+                "required": ["exit_code", "signal", "timed_out", "duration_ms", "stdout", "stderr",
+                             "stdout_bytes", "stderr_bytes", "stdout_sha256", "stderr_sha256"],
             },
         ),
     )

@@ -2,8 +2,8 @@
 
 Everything that can refuse a client (Origin, token, scope, tenant, task) runs in `before_request`,
 before flask-sock upgrades the connection, so a refusal is an HTTP error and never a 101.
-The handler follows the call's Redis Stream with XREAD BLOCK from the last seq it sent: replay and
-live delivery are one read loop, so there is no gap and no duplicate. A client that stops reading
+The handler follows the call's Redis Stream (`api.follow`): replay and live delivery are one read
+loop, so there is no gap and no duplicate. A client that stops reading
 blocks only its own handler (the kernel's socket buffer fills, nothing is queued in the API) and is
 dropped after SEND_TIMEOUT_S; it can resume with `after_seq`.
 """
@@ -19,10 +19,10 @@ from flask_sock import ConnectionClosed, Sock
 from redis import RedisError
 from wsproto.events import TextMessage
 
-from api.auth import authenticate
+from api.auth import authenticate, refuse_foreign_origin
+from api.follow import Follower
 from api.runtime import runtime
-from shared import keys
-from shared.errors import ForbiddenOrigin, NotFound, SchemaInvalid
+from shared.errors import NotFound, SchemaInvalid
 from shared.records import Records
 from shared.schema import SIGNALS, TOOLS, loads
 
@@ -31,8 +31,6 @@ sock = Sock()
 
 STREAM_PATH = "/v1/tool-calls/<task_id>/stream"
 SEND_TIMEOUT_S = 60
-READ_COUNT = 4  # events of up to ~128 KiB of output: what a stalled client can pin in the API
-MAX_BLOCK_MS = 5000  # below the Redis client's socket timeout
 POLICY_VIOLATION = 1008
 INTERNAL_ERROR = 1011
 log = logging.getLogger("runwarden.stream")
@@ -40,9 +38,7 @@ log = logging.getLogger("runwarden.stream")
 
 @bp.before_request
 def check_handshake() -> None:
-    origin = request.headers.get("Origin")
-    if origin is not None and origin not in runtime().settings.allowed_origins:
-        raise ForbiddenOrigin("This Origin may not open streams (RUNWARDEN_ALLOWED_ORIGINS).")
+    refuse_foreign_origin()
     grant = authenticate(allow_subprotocol=True)
     task_id = (request.view_args or {}).get("task_id", "")
     view = runtime().records.get(task_id) if len(task_id) <= 64 else None
@@ -86,46 +82,20 @@ def _follow(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     rt, grant = runtime(), g.grant
     ws.sock.settimeout(SEND_TIMEOUT_S)
     threading.Thread(target=_receive_signals, args=(ws, rt.records, task_id), daemon=True).start()
-    log_key, last = keys.log(task_id), g.after_seq
-    block_ms = 1  # the first read only asks what is there, so a finished replay ends at once
-    while ws.connected:  # a client that went away frees its thread and Redis connection
-        until_expiry_ms = int((grant.exp - time.time()) * 1000)
-        if until_expiry_ms <= 0:
-            ws.close(POLICY_VIOLATION, "token expired")
-            return
-        block_ms = max(1, min(block_ms, rt.settings.lease_s * 1000, until_expiry_ms))
-        found = rt.redis.xread({log_key: f"{last}-1"}, count=READ_COUNT, block=block_ms)
-        block_ms = MAX_BLOCK_MS
-        if not found:
-            state = _quiet_stream_state(rt, task_id, last)
-            if state != "live":
-                ws.close(1000 if state == "done" else POLICY_VIOLATION, state)
-                return
-            continue
-        for entry_id, fields in found[0][1]:
-            event = fields[b"e"].decode()
+    follower = Follower(rt, task_id, g.after_seq)
+
+    def budget_ms() -> int:  # a client that went away frees its thread and Redis connection
+        return int((grant.exp - time.time()) * 1000) if ws.connected else 0
+
+    for event in follower.events(budget_ms):
+        if event is not None:
             _send_text(ws, event)
-            last = int(entry_id.split(b"-")[0])
-            if event.startswith('{"type":"exit"'):
-                ws.close(1000)
-                return
-
-
-def _quiet_stream_state(rt, task_id: str, last: int) -> str:  # type: ignore[no-untyped-def]
-    """Nothing new to read: "done" (the client already has the exit event), "live", or "expired".
-
-    A running call whose worker died is turned into `lost` here, which logs its exit event.
-    """
-    view = rt.records.get(task_id)
-    if view is None:
-        return "expired"
-    if view.status.value == "running":
-        rt.records.reap(task_id)
-    elif view.status.terminal:
-        newest = rt.redis.xrevrange(keys.log(task_id), count=1)
-        if not newest or int(newest[0][0].split(b"-")[0]) <= last:
-            return "done"
-    return "live"
+    if follower.ended == "exit":
+        ws.close(1000)
+    elif follower.ended is not None:
+        ws.close(1000 if follower.ended == "done" else POLICY_VIOLATION, follower.ended)
+    elif ws.connected:
+        ws.close(POLICY_VIOLATION, "token expired")
 
 
 def _send_text(ws, text: str) -> None:  # type: ignore[no-untyped-def]

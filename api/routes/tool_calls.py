@@ -9,7 +9,7 @@ from flask import Blueprint, Response, g, request
 from api import dispatch
 from api.auth import authenticate, refuse_if_revoked
 from api.problems import json_response
-from api.runtime import runtime
+from api.runtime import Runtime, runtime
 from shared import keys
 from shared.errors import NotFound, RunwardenError, SchemaInvalid, UnsupportedMediaType
 from shared.idempotency import parse_key
@@ -91,15 +91,22 @@ def show(task_id: str) -> Response:
     return json_response(_view_body(view))
 
 
+def request_cancel(rt: Runtime, view: TaskView) -> str:
+    """Cancel a call: a queued one never starts, a running one's worker is told to end it (SIGTERM,
+    then SIGKILL). Returns the status found."""
+    found = rt.records.cancel(view)
+    if found == "running":
+        rt.redis.publish(keys.control(view.task_id), json.dumps({"cancel": True}))
+    return found
+
+
 @bp.delete("/v1/tool-calls/<task_id>")
 def cancel(task_id: str) -> Response:
     grant = authenticate()
     view = _owned_task(task_id, grant)
     grant.require_scope(TOOLS[view.tool_name].scope)
     rt = runtime()
-    found = rt.records.cancel(view)
-    if found == "running":
-        rt.redis.publish(keys.control(task_id), json.dumps({"cancel": True}))
+    if request_cancel(rt, view) == "running":
         deadline = time.monotonic() + rt.settings.kill_grace_s + 3
         while time.monotonic() < deadline and not view.status.terminal:
             time.sleep(0.05)
