@@ -19,7 +19,8 @@ from api.problems import PROBLEM_JSON, json_response, problem_response
 from api.runtime import Runtime, runtime
 from shared import commands, paths
 from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
-from shared.idempotency import Existing, fingerprint
+from shared.idempotency import Admitted, Existing, fingerprint
+from shared.scheduler import hold_queue
 from shared.keys import Status
 from shared.records import Ended, TaskView
 from shared.schema import ToolCall
@@ -111,14 +112,15 @@ def claim(rt: Runtime, accepted: Accepted, body_202: bytes | None) -> Existing |
     same request (a key reused for another request is refused here)."""
     call, grant = accepted.call, accepted.grant
     fp = fingerprint(grant.run_id, call.tool_name, call.call_id, call.parameters)
-    existing = rt.idempotency.claim(
+    found = rt.idempotency.claim(
         tenant=grant.tenant, key=accepted.key, fp=fp, run_id=grant.run_id, call_id=call.call_id,
-        tool_name=call.tool_name, created_ms=int(time.time() * 1000),
+        tool_name=call.tool_name, created_ms=int(time.time() * 1000), queue=call.tool.queue,
         accepted=(202, body_202) if body_202 else None, jti=grant.jti,
     )
-    if existing is None:
-        _enqueue(rt, accepted)
+    if isinstance(found, Admitted):
+        _enqueue(rt, accepted, found.direct)
         return None
+    existing = found
     if existing.fingerprint != fp:
         raise IdempotencyKeyReused("This Idempotency-Key was used for a different request.",
                                    task_id=existing.task_id)
@@ -153,14 +155,19 @@ def run_to_end(rt: Runtime, accepted: Accepted, body_202: bytes | None, wait_s: 
     return view
 
 
-def _enqueue(rt: Runtime, accepted: Accepted) -> None:
+def _enqueue(rt: Runtime, accepted: Accepted, direct: bool) -> None:
+    """Publish the call to its Celery queue, or, when that queue is at capacity or others wait, to
+    its tenant's hold queue, then let the fair scheduler take turns (shared/scheduler.py)."""
+    queue, tenant = accepted.call.tool.queue, accepted.grant.tenant
     try:
         # ignore_result: the answer comes from runwarden's own records. Without it, Celery's Redis
         # backend subscribes this process to the task's result channel on every send, and
         # unsubscribes when the AsyncResult is collected: ~0.6 ms of API CPU a call (about 10 %).
         rt.celery.send_task(accepted.call.tool.task_name, args=[accepted.message()],
                             task_id=accepted.task_id, ignore_result=True, argsrepr=accepted.summary(),
-                            kwargsrepr="{}")
+                            kwargsrepr="{}", queue=queue if direct else hold_queue(queue, tenant))
+        if not direct:
+            rt.scheduler.kick(queue, tenant)
     except (OperationalError, RedisError, OSError):
         # Nothing ran: release the claim (only if still ours) so a retry can succeed.
         try:

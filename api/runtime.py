@@ -9,6 +9,7 @@ from flask import current_app
 
 from shared.idempotency import Idempotency
 from shared.records import Records
+from shared.scheduler import Scheduler
 from shared.settings import Settings
 from shared.tenants import Quotas
 
@@ -20,6 +21,7 @@ class Runtime:
     celery: Celery
     idempotency: Idempotency
     records: Records
+    scheduler: Scheduler
 
     @classmethod
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
@@ -35,6 +37,7 @@ class Runtime:
                                     Quotas.defaults(settings)),
             records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                             lease_s=settings.lease_s),
+            scheduler=Scheduler(client),
         )
 
 

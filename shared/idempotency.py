@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import redis
 from shared import keys
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, QuotaExceeded, RateLimited, Unauthorized
 from shared.schema import whole
+from shared.scheduler import DISPATCH
 from shared.tenants import Quotas
 from shared.tokens import REVOKED
 
@@ -82,10 +84,12 @@ end
 # KEYS: [1] idempotency record, [2] task record, [3] done list, [4]-[5], [7]-[10] as _ADMIT,
 #       [6] the run's active set.
 # ARGV: [1] fingerprint, [2] task id, [3] ttl ms, [4] tenant, [5] run id, [6] call id, [7] tool name,
-#       [8] created ms, [9] accepted code, [10] accepted body, [11]-[16] as _ADMIT.
-# Returns false (claimed), the existing record (fp, task id, state, code, body), 'revoked',
-# 'rate_limited', or {'quota', name, retry-after seconds}.
-_CLAIM = _ADMIT + """
+#       [8] created ms, [9] accepted code, [10] accepted body, [11]-[16] as _ADMIT, [17] the tool's
+#       Celery queue.
+# Returns 'direct' (claimed; the queue has room and nobody waits: publish to it) or 'hold'
+# (claimed; publish to the tenant's hold queue, then kick: shared/scheduler.py), the existing
+# record (fp, task id, state, code, body), 'revoked', 'rate_limited', or {'quota', name, retry-after}.
+_CLAIM = _ADMIT + DISPATCH + """
 if KEYS[10] and redis.call('EXISTS', KEYS[10]) == 1 then return 'revoked' end
 if rate_limited() then return 'rate_limited' end
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -104,22 +108,39 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[5], ARGV[2])
 redis.call('SADD', KEYS[6], ARGV[2])
 if redis.call('INCR', KEYS[7]) == 1 then redis.call('EXPIRE', KEYS[7], 120) end
-return false
+local queue = ARGV[17]
+redis.call('HSET', KEYS[2], 'queue', queue)
+if redis.call('LLEN', RING .. queue) == 0
+   and redis.call('SCARD', INFLIGHT .. queue) < capacity(queue, tonumber(ARGV[8])) then
+  redis.call('SADD', INFLIGHT .. queue, ARGV[2])
+  return 'direct'
+end
+redis.call('SADD', HOLDERS .. queue, ARGV[4])  -- so that heal finds it, should the kick not come
+return 'hold'
 """
 
-# KEYS: idempotency record, task record. ARGV: task id.
-# The call's slots in its tenant's and run's active sets go with it.
-_RELEASE = """
+# KEYS: idempotency record, task record. ARGV: task id, now ms.
+# The call's slots in its tenant's and run's active sets, and in its queue, go with it.
+_RELEASE = DISPATCH + """
 if redis.call('HGET', KEYS[1], 'task_id') == ARGV[1] and redis.call('HGET', KEYS[1], 'state') == 'pending'
    and redis.call('HGET', KEYS[2], 'status') == 'queued' then
   for _, set in ipairs(redis.call('HMGET', KEYS[2], 'active', 'run_active')) do
     if set then redis.call('SREM', set, ARGV[1]) end
   end
+  ended(KEYS[2], ARGV[1], tonumber(ARGV[2]))
   redis.call('DEL', KEYS[1], KEYS[2])
   return 1
 end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """This request claimed the key: publish the call to its queue (`direct`) or to its tenant's
+    hold queue, where the fair scheduler will take it from."""
+
+    direct: bool
 
 
 @dataclass(frozen=True)
@@ -152,10 +173,11 @@ class Idempotency:
         call_id: str,
         tool_name: str,
         created_ms: int,
+        queue: str,
         accepted: tuple[int, bytes] | None = None,
         jti: str | None = None,
-    ) -> Existing | None:
-        """Claim the key and create the task record atomically; None when this request won.
+    ) -> Existing | Admitted:
+        """Claim the key and create the task record atomically (`Admitted` when this request won).
         Refuses a revoked token (by its `jti`), a tenant over its rate or its quotas, claiming nothing."""
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
@@ -169,7 +191,7 @@ class Idempotency:
                   keys.tenant_quotas(tenant), *revoked],
             args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body,
                   self.rate_limit_per_s, q.max_running, q.calls_per_minute, q.output_bytes_per_hour,
-                  60 - now_s % 60, 3600 - now_s % 3600],
+                  60 - now_s % 60, 3600 - now_s % 3600, queue],
         )
         if isinstance(found, list) and found and found[0] == b"quota":
             raise QuotaExceeded(found[1].decode(), int(found[2]))
@@ -179,8 +201,8 @@ class Idempotency:
             error = RateLimited(f"More than {self.rate_limit_per_s} tool calls per second for this tenant.")
             error.headers["Retry-After"] = "1"
             raise error
-        if not found:
-            return None
+        if found in (b"direct", b"hold"):
+            return Admitted(direct=found == b"direct")
         fp_found, task_found, state, code_found, body_found = found
         return Existing(
             fingerprint=fp_found.decode(),
@@ -193,7 +215,8 @@ class Idempotency:
     def release(self, tenant: str, key: str) -> bool:
         """Undo a claim whose message never reached the broker, only if still ours and untouched."""
         task_id = keys.task_id_for(tenant, key)
-        return bool(self._release(keys=[keys.idempotency(tenant, key), keys.task(task_id)], args=[task_id]))
+        return bool(self._release(keys=[keys.idempotency(tenant, key), keys.task(task_id)],
+                                  args=[task_id, int(time.time() * 1000)]))
 
     def record_response(self, tenant: str, key: str, code: int, body: bytes) -> None:
         """Keep the response the API actually sent (a `Prefer: wait` 200) as the one to replay."""

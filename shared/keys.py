@@ -121,6 +121,37 @@ def output_bytes(tenant: str, hour: int) -> str:
     return f"{PREFIX}:obytes:{tenant}:{hour}"
 
 
+# Fair scheduling (shared/scheduler.py). A kombu queue's Redis key is its name: a tenant's hold
+# queue is `<queue>.hold.<tenant>`, a list of Celery messages no worker consumes.
+HOLD_INFIX = ".hold."
+CONCURRENCY = f"{PREFIX}:concurrency"  # hash: worker name → its pool processes
+
+
+def inflight(queue: str) -> str:
+    """Set of the task ids given to a Celery queue and not ended: at most the queue's capacity."""
+    return f"{PREFIX}:inflight:{queue}"
+
+
+def ring(queue: str) -> str:
+    """List of the tenants with calls held for a queue, in the order they get their next turn."""
+    return f"{PREFIX}:ring:{queue}"
+
+
+def ring_members(queue: str) -> str:
+    """Set mirroring the ring, for membership in O(1)."""
+    return f"{PREFIX}:ringset:{queue}"
+
+
+def ring_holders(queue: str) -> str:
+    """Set of the tenants that held calls for a queue, for the heal to find forgotten messages."""
+    return f"{PREFIX}:holders:{queue}"
+
+
+def queue_workers(queue: str) -> str:
+    """Sorted set: the workers consuming a queue, scored by when their heartbeat expires (ms)."""
+    return f"{PREFIX}:workers:{queue}"
+
+
 def revoked_jti(jti: str) -> str:
     """String present while a token id is revoked."""
     return f"{PREFIX}:revoked:{jti}"

@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from shared import keys
 from shared.keys import Status
+from shared.scheduler import DISPATCH
 from shared.schema import TOOLS
 
 LOCK_TTL_MS = 60_000  # a file lock a task holds; a dead worker's lock is taken over or expires
@@ -75,7 +76,7 @@ return n
 """
 
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
-_END = """
+_END = DISPATCH + """
 local function finish(task_key, lease_key, running_key, log_key, done_key, task_id, new_status, result,
                       now_ms, ttl_ms, code, body, exit_event, retention_ms)
   local idem = redis.call('HGET', task_key, 'idem')
@@ -83,6 +84,7 @@ local function finish(task_key, lease_key, running_key, log_key, done_key, task_
   for _, set in ipairs(redis.call('HMGET', task_key, 'active', 'run_active')) do
     if set then redis.call('SREM', set, task_id) end  -- the tenant's and run's slots come back
   end
+  ended(task_key, task_id, tonumber(now_ms))  -- and its queue's: the next call in turn starts
   if code ~= '' then redis.call('HSET', task_key, 'code', code, 'body', body) end
   redis.call('PEXPIRE', task_key, ttl_ms)
   if idem then

@@ -317,6 +317,9 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     final = terminal(agent, task_id, 60)
     lost_s = time.monotonic() - killed_at
     assert final["status"] == "lost" and final["result"]["code"] == "worker_lost"
+    # Its tenant's quota slot and its queue's in-flight slot came back with it.
+    assert pair.redis.scard(keys.tenant_active(agent.tenant)) == 0
+    assert not pair.redis.sismember(keys.inflight(keys.SHELL_QUEUE), task_id)
 
     # A replacement child appears; neither it nor the other worker runs the command again: the
     # broker holds no message of the call that it could deliver (acked on receipt).

@@ -148,3 +148,26 @@ def test_tenant_set_refuses_bad_values(stack: StackInfo, argument: str) -> None:
     done = subprocess.run([sys.executable, "-m", "runwarden.cli", "tenant", "set", "acme", argument],
                           env=stack.env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr
+
+
+def started_ms(stack: StackInfo, task_id: str) -> int:
+    return int(stack.redis.hget(keys.task(task_id), "started_ms") or 0)
+
+
+def test_a_tenants_backlog_delays_another_by_at_most_one_call_per_pool_process(stack: StackInfo) -> None:
+    """Tenant A fills the pool and queues a backlog; tenant B's one call must start before all but
+    at most one of A's waiting calls per pool process (FIFO would start it after all of them)."""
+    a = Agent(stack, f"ta{uuid.uuid4().hex[:8]}", "r1", ["shell:exec", "files:write"], ["**"])
+    b = Agent(stack, f"tb{uuid.uuid4().hex[:8]}", "r1", ["shell:exec"], ["**"])
+    running = [a.shell(BLOCKED, wait=None, timeout_ms=60000).json()["task_id"] for _ in range(2)]
+    wait_for(lambda: all(a.get(t).json()["status"] == "running" for t in running), "A to fill the pool")
+    backlog = [a.shell("echo a", wait=None).json()["task_id"] for _ in range(10)]
+    theirs = b.shell("echo b", wait=None).json()["task_id"]
+    assert b.get(theirs).json()["status"] == "queued"
+    release(a)
+    for task_id in [*running, *backlog, theirs]:
+        wait_for(lambda: (b if task_id == theirs else a).get(task_id).json()["status"] == "completed", task_id)
+    ahead = sum(started_ms(stack, t) < started_ms(stack, theirs) for t in backlog)
+    pool_processes = 2  # the session's worker: `--concurrency 2`
+    assert ahead <= pool_processes, ahead
+    assert stack.redis.scard(keys.inflight(keys.SHELL_QUEUE)) <= pool_processes

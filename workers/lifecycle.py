@@ -4,6 +4,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 from celery import Celery
@@ -11,10 +14,13 @@ from celery.signals import worker_init, worker_process_shutdown, worker_ready, w
 
 from shared.errors import SandboxUnavailable
 from shared.records import Records
+from shared.scheduler import Scheduler
+from shared.settings import Settings
 from workers import sandbox
 from workers.tasks import reap_lost_calls
 
 log = logging.getLogger("runwarden.worker")
+HEARTBEAT_S = 2.0  # a worker missing three beats no longer counts in its queues' capacity
 
 
 def connect_worker_signals(app: Celery) -> None:
@@ -40,17 +46,28 @@ def connect_worker_signals(app: Celery) -> None:
         app.runwarden_runner = runner  # type: ignore[attr-defined]
 
     @worker_ready.connect(weak=False)
-    def start_reaper(**_: object) -> None:
+    def start_reaper(sender: Any, **_: object) -> None:
         # Logged here: worker_init runs before Celery has set up logging.
         if app.runwarden_sandbox_error:  # type: ignore[attr-defined]
             log.error("SANDBOX UNAVAILABLE, shell calls are refused: %s", app.runwarden_sandbox_error)  # type: ignore[attr-defined]
         else:
             log.info("sandbox self-test passed (%s)", app.runwarden_runner.name)  # type: ignore[attr-defined]
         threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
+        pool = Pool(sender.hostname, [queue.name for queue in sender.task_consumer.queues],
+                    sender.controller.concurrency)
+        app.runwarden_pool = pool  # type: ignore[attr-defined]
+        threading.Thread(target=_heartbeat_forever, args=(settings, pool, stop), name="runwarden-heartbeat",
+                         daemon=True).start()
 
     @worker_shutdown.connect(weak=False)
     def stop_reaper(**_: object) -> None:
         stop.set()
+        pool = getattr(app, "runwarden_pool", None)
+        if pool is not None:  # taking no new call: its pool leaves the queues' capacity at once
+            with suppress(redis.RedisError):
+                scheduler = Scheduler(redis.Redis.from_url(settings.redis_url, socket_timeout=5))
+                for queue in pool.queues:
+                    scheduler.leave(queue, pool.name)
         # The pool has stopped: the groups of its processes go, also of those killed outright
         # (a SIGTERM to the whole process group kills pool processes before they can remove theirs).
         cgroups = getattr(getattr(app, "runwarden_runner", None), "cgroups", None)
@@ -68,6 +85,29 @@ def _release_cgroup(runner: object) -> None:
     cgroups = getattr(runner, "cgroups", None)
     if cgroups is not None:
         cgroups.release_own()
+
+
+@dataclass(frozen=True)
+class Pool:
+    """What this worker gives the fair scheduler: its name, the queues it consumes, its processes."""
+
+    name: str
+    queues: list[str]
+    processes: int
+
+
+def _heartbeat_forever(settings: Settings, pool: Pool, stop: threading.Event) -> None:
+    """Say every HEARTBEAT_S that this pool serves its queues (their capacity); each beat also lets
+    the scheduler repair what a crash left (shared/scheduler.py, `heal`)."""
+    scheduler = Scheduler(redis.Redis.from_url(settings.redis_url, socket_timeout=10))
+    while True:
+        try:
+            for queue in pool.queues:
+                scheduler.heartbeat(queue, pool.name, pool.processes, HEARTBEAT_S * 3)
+        except redis.RedisError as exc:
+            log.warning("heartbeat cannot reach Redis: %s", exc)
+        if stop.wait(HEARTBEAT_S):
+            return
 
 
 def _reap_forever(settings, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
