@@ -7,7 +7,7 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import metrics, problems, server
-from api.routes import mcp, meta, stream, tool_calls, tool_use
+from api.routes import admin, mcp, meta, stream, tool_calls, tool_use
 from api.runtime import Runtime
 from shared.settings import Settings
 from shared.celery_app import create_celery
@@ -31,6 +31,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     metrics.init_app(app)
     app.register_blueprint(tool_calls.bp)
     app.register_blueprint(tool_use.bp)
+    app.register_blueprint(admin.bp)
     app.register_blueprint(mcp.bp)
     app.register_blueprint(meta.bp)
     app.register_blueprint(stream.bp)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from flask import request
 
 from api.runtime import runtime
-from shared import keys, tokens
+from shared import revocations, tokens
 from shared.errors import ForbiddenOrigin, Unauthorized
 from shared.tokens import Grant
 
@@ -52,7 +52,7 @@ def authenticate(*, allow_subprotocol: bool = False, check_revoked: bool = True)
 
 
 def refuse_if_revoked(grant: Grant) -> None:
-    if grant.jti is not None and runtime().redis.exists(keys.revoked_jti(grant.jti)):
+    if grant.jti is not None and revocations.is_revoked(runtime().redis, grant.jti, grant.tenant):
         raise Unauthorized(tokens.REVOKED)
 
 

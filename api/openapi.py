@@ -162,6 +162,19 @@ def document() -> dict[str, Any]:
             "/v1/tool-use": _model_native("toolUse", _TOOL_USE, _TOOL_RESULT),
             "/v1/openai/tool-calls": _model_native("openaiToolCalls", _OPENAI_CALL, _OPENAI_MESSAGE),
             "/mcp": _mcp(),
+            "/v1/admin/revocations": {"post": {
+                "operationId": "revokeToken", "security": auth,
+                "description": "Revoke one of the token's own tenant's tokens by jti (scope tenant:admin); "
+                               "its open streams close with 4401 within 2 s.",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["jti"], "additionalProperties": False,
+                    "properties": {"jti": {"type": "string", "minLength": 1, "maxLength": 256}}}}}},
+                "responses": {"200": _json({"type": "object", "required": ["jti", "tenant", "revoked"],
+                                            "properties": {"jti": {"type": "string"}, "tenant": {"type": "string"},
+                                                           "revoked": {"type": "boolean"},
+                                                           "expires_in": {"type": "integer"}}}, "revoked"),
+                              **_problems(400, 401, 403, 413, 415, 503)},
+            }},
             "/v1/tools": {"get": {
                 "operationId": "listTools", "security": [],
                 "parameters": [{"name": "format", "in": "query", "required": False,

@@ -9,6 +9,7 @@ from flask import current_app
 
 from shared.idempotency import Idempotency
 from shared.records import Records
+from shared.revocations import Watcher
 from shared.scheduler import Scheduler
 from shared.settings import Settings
 from shared.tenants import Quotas
@@ -22,6 +23,7 @@ class Runtime:
     idempotency: Idempotency
     records: Records
     scheduler: Scheduler
+    revocations: Watcher
 
     @classmethod
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
@@ -38,6 +40,7 @@ class Runtime:
             records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                             lease_s=settings.lease_s),
             scheduler=Scheduler(client),
+            revocations=Watcher(client),
         )
 
 

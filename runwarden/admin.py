@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import redis
 
-from shared import keys, tenants, tokens
+from shared import revocations, tenants, tokens
 from shared.settings import Settings
 from shared.tenants import Quotas
 
@@ -27,7 +27,7 @@ def run_mint(args: argparse.Namespace) -> int:
 
 def run_revoke(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
-    redis.Redis.from_url(settings.redis_url).set(keys.revoked_jti(args.jti), "1", ex=args.ttl)
+    revocations.revoke(redis.Redis.from_url(settings.redis_url), args.jti, args.ttl)
     print(f"revoked {args.jti}")
     return 0
 

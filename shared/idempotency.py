@@ -52,7 +52,7 @@ def fingerprint(run_id: str, tool_name: str, call_id: str, parameters: dict[str,
 # Admission, before anything is claimed: a refusal writes nothing, so a retry can succeed.
 # KEYS: ... [4] the tenant's rate counter for this second, [5] the tenant's active set, [7] its
 #       calls-per-minute counter, [8] its output-bytes counter for this hour, [9] its quota overrides,
-#       [10] the token's revocation marker (if it has a jti).
+#       [10], [11] the token's revocation markers, for every tenant and for its own (if it has a jti).
 # ARGV: ... [11] rate limit per second, [12..14] default max_running, calls_per_minute,
 #       output_bytes_per_hour (0: unlimited), [15] seconds to the next minute, [16] to the next hour.
 # The rate counts every request; the quotas count admitted calls, so a retry of an existing call
@@ -90,7 +90,7 @@ end
 # (claimed; publish to the tenant's hold queue, then kick: shared/scheduler.py), the existing
 # record (fp, task id, state, code, body), 'revoked', 'rate_limited', or {'quota', name, retry-after}.
 _CLAIM = _ADMIT + DISPATCH + """
-if KEYS[10] and redis.call('EXISTS', KEYS[10]) == 1 then return 'revoked' end
+if KEYS[10] and redis.call('EXISTS', KEYS[10], KEYS[11]) > 0 then return 'revoked' end
 if rate_limited() then return 'rate_limited' end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HMGET', KEYS[1], 'fp', 'task_id', 'state', 'code', 'body')
@@ -181,7 +181,7 @@ class Idempotency:
         Refuses a revoked token (by its `jti`), a tenant over its rate or its quotas, claiming nothing."""
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
-        revoked = [keys.revoked_jti(jti)] if jti is not None else []
+        revoked = [keys.revoked_jti(jti), keys.revoked_jti(jti, tenant)] if jti is not None else []
         now_s = created_ms // 1000
         q = self.quotas
         found = self._claim(

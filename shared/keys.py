@@ -152,9 +152,13 @@ def queue_workers(queue: str) -> str:
     return f"{PREFIX}:workers:{queue}"
 
 
-def revoked_jti(jti: str) -> str:
-    """String present while a token id is revoked."""
-    return f"{PREFIX}:revoked:{jti}"
+def revoked_jti(jti: str, tenant: str | None = None) -> str:
+    """String present while a token id is revoked: for every tenant (`runwarden token revoke`), or
+    for one tenant's tokens (`POST /v1/admin/revocations`, which acts on the admin's own tenant)."""
+    return f"{PREFIX}:revoked:{jti}" if tenant is None else f"{PREFIX}:revoked:{tenant}:{jti}"
+
+
+REVOCATIONS = f"{PREFIX}:revocations"  # sorted set: revoked jti (or "tenant\0jti") → expiry, polled by streams
 
 
 def mcp_request(tenant: str, run_id: str, sub: str, request_id: str) -> str:

@@ -15,7 +15,9 @@ from shared.settings import Settings
 
 REQUIRED_CLAIMS = ("sub", "tenant", "run_id", "scopes", "allowed_paths", "exp", "iat", "aud")
 REVOKED = "The token has been revoked."
-SCOPES = ("files:read", "files:write", "shell:exec", "shell:network")
+# Tool scopes, then the operator ones (contract sections 10-12): they act on the token's own tenant.
+SCOPES = ("files:read", "files:write", "shell:exec", "shell:network", "tenant:admin", "workspaces:admin",
+          "audit:read")
 MAX_LIST = 256
 MAX_STR = 256
 

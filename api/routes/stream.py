@@ -33,6 +33,10 @@ STREAM_PATH = "/v1/tool-calls/<task_id>/stream"
 SEND_TIMEOUT_S = 60
 POLICY_VIOLATION = 1008
 INTERNAL_ERROR = 1011
+REVOKED_CLOSE = 4401  # contract section 10: the token was revoked while the stream was open
+# A stream whose token can be revoked (it has a jti) looks at the process's revocations this often:
+# the contract closes it within 2 s of the revocation (Watcher polls every 0.5 s).
+REVOCATION_CHECK_MS = 1000
 log = logging.getLogger("runwarden.stream")
 
 
@@ -84,13 +88,24 @@ def _follow(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     threading.Thread(target=_receive_signals, args=(ws, rt.records, task_id), daemon=True).start()
     follower = Follower(rt, task_id, g.after_seq)
 
+    revoked = False
+
     def budget_ms() -> int:  # a client that went away frees its thread and Redis connection
-        return int((grant.exp - time.time()) * 1000) if ws.connected else 0
+        nonlocal revoked
+        if not ws.connected:
+            return 0
+        if grant.jti is not None and rt.revocations.revoked(grant.jti, grant.tenant):
+            revoked = True
+            return 0
+        left = int((grant.exp - time.time()) * 1000)
+        return min(left, REVOCATION_CHECK_MS) if grant.jti is not None else left
 
     for event in follower.events(budget_ms):
         if event is not None:
             _send_text(ws, event)
-    if follower.ended == "exit":
+    if revoked:  # the call goes on: another token of the run may still watch or cancel it
+        ws.close(REVOKED_CLOSE, "token revoked")
+    elif follower.ended == "exit":
         ws.close(1000)
     elif follower.ended is not None:
         ws.close(1000 if follower.ended == "done" else POLICY_VIOLATION, follower.ended)
