@@ -88,8 +88,11 @@ TOOLS: dict[str, Tool] = {
             queue=FILE_QUEUE,
             streams=False,
             description=(
-                "Read a file of the workspace. Returns its bytes (UTF-8 text or base64) and its git blob SHA. "
-                "Answers within seconds."
+                "Read one file of the workspace (a path relative to it, such as src/app.py). Returns its "
+                "exact bytes (as UTF-8 text, or base64 when they are not UTF-8), its size and its sha: the "
+                "git blob SHA-1 of its bytes. Keep that sha: it is the base_sha apply_file_patch needs to "
+                "change this file. Paths outside what your token grants are refused. Answers within seconds; "
+                "sending the same call again (same id or Idempotency-Key) is safe."
             ),
             parameters={
                 "type": "object",
@@ -116,9 +119,14 @@ TOOLS: dict[str, Tool] = {
             queue=FILE_QUEUE,
             streams=False,
             description=(
-                "Apply a unified diff to one file, exactly, only if the file's git blob SHA is base_sha "
-                "(forty zeros: the file must not exist yet). '+++ /dev/null' deletes the file. "
-                "Answers within seconds."
+                "Change one file by a unified diff (like `diff -u` or `git diff` of that one file), applied "
+                "exactly as written: no fuzz, whitespace and line endings kept. It applies only if the file "
+                "is still the version you read: base_sha must be the sha read_file returned (forty zeros: "
+                "create a file that must not exist yet; a diff to '+++ /dev/null' deletes the file). If the "
+                "file changed since, the call is refused with the current sha: read the file again and "
+                "write the diff against what it holds now. The result's new_sha is the base_sha of your "
+                "next patch to it. The file is replaced atomically. Answers within seconds; sending the "
+                "same call again (same id or Idempotency-Key) is safe: it is never applied twice."
             ),
             parameters={
                 "type": "object",
@@ -156,9 +164,16 @@ TOOLS: dict[str, Tool] = {
                 "directory prefix up to the first wildcard (docs/** and docs/*.md show docs/, read-write); "
                 "a pattern with a wildcard in its first segment (**, *.md) shows the whole workspace, "
                 "and the rest of the workspace root is absent and read-only. "
-                "Output streams over WebSocket; the result holds exit code, byte counts and sha256. "
-                "The call lasts as long as the command, at most timeout_ms (default 30 s, at most 60 s): "
-                "keep timeout_ms below your client's own request timeout."
+                "No network unless the token allows it; programs and libraries of the system read-only; "
+                "a private /tmp; nothing survives the call but the workspace. "
+                "Output streams over WebSocket; the result holds the exit code, stdout and stderr exactly "
+                "as written (the first 1 MiB of each in the result, all of it in the stream) with their byte "
+                "counts and sha256. A non-zero exit code is the command's own result (a failing test, say), "
+                "not a failure of the tool: read its output. Output past 64 MiB stops the command. "
+                "The call lasts as long as the command, at most timeout_ms (default 30 s, at most 60 s), "
+                "after which it is killed: keep timeout_ms below your client's own request timeout. "
+                "Sending the same call again (same id or Idempotency-Key) never runs it twice: it answers "
+                "the first run's result."
             ),
             parameters={
                 "type": "object",
