@@ -118,7 +118,7 @@ def claim(rt: Runtime, accepted: Accepted, body_202: bytes | None) -> Existing |
         accepted=(202, body_202) if body_202 else None, jti=grant.jti,
     )
     if isinstance(found, Admitted):
-        _enqueue(rt, accepted, found.direct)
+        _enqueue(rt, accepted, found)
         return None
     existing = found
     if existing.fingerprint != fp:
@@ -155,10 +155,11 @@ def run_to_end(rt: Runtime, accepted: Accepted, body_202: bytes | None, wait_s: 
     return view
 
 
-def _enqueue(rt: Runtime, accepted: Accepted, direct: bool) -> None:
-    """Publish the call to its Celery queue, or, when that queue is at capacity or others wait, to
-    its tenant's hold queue, then let the fair scheduler take turns (shared/scheduler.py)."""
-    queue, tenant = accepted.call.tool.queue, accepted.grant.tenant
+def _enqueue(rt: Runtime, accepted: Accepted, admitted: Admitted) -> None:
+    """Publish the call to its Celery queue (under node placement, its run's node's), or, when that
+    queue is at capacity or others wait, to its tenant's hold queue, then let the fair scheduler
+    take turns (shared/scheduler.py)."""
+    queue, tenant, direct = admitted.queue, accepted.grant.tenant, admitted.direct
     try:
         # ignore_result: the answer comes from runwarden's own records. Without it, Celery's Redis
         # backend subscribes this process to the task's result channel on every send, and

@@ -8,6 +8,7 @@ from celery import Celery
 from flask import current_app
 
 from shared.idempotency import Idempotency
+from shared.placement import Placement
 from shared.records import Records
 from shared.revocations import Watcher
 from shared.scheduler import Scheduler
@@ -24,6 +25,7 @@ class Runtime:
     records: Records
     scheduler: Scheduler
     revocations: Watcher
+    placement: Placement
 
     @classmethod
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
@@ -36,11 +38,12 @@ class Runtime:
             redis=client,
             celery=celery,
             idempotency=Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
-                                    Quotas.defaults(settings)),
+                                    Quotas.defaults(settings), settings.placement == "node"),
             records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                             lease_s=settings.lease_s),
             scheduler=Scheduler(client),
             revocations=Watcher(client),
+            placement=Placement(client),
         )
 
 

@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     dev.add_argument("--port", type=int, default=8080)
     dev.add_argument("--workspaces", type=Path, default=None)
     dev.add_argument("--concurrency", type=int, default=2, help="worker pool processes")
+    dev.add_argument("--nodes", type=int, default=0, metavar="N",
+                     help="N worker nodes node1…nodeN with their own workspaces roots (RUNWARDEN_PLACEMENT=node)")
 
     token = commands.add_parser("token", help="tokens").add_subparsers(dest="token_command", required=True)
     mint = token.add_parser("mint", help="print a signed token (needs RUNWARDEN_JWT_SECRET)")

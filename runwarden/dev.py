@@ -14,6 +14,19 @@ from shared import tokens
 from shared.settings import Settings, SettingsError
 
 
+def start_nodes(stack: devstack.Stack, env: dict[str, str], count: int, concurrency: int,
+                logs: Path | None = None) -> list[str]:
+    """Node placement on one machine: worker nodes `node1` … `nodeN`, each with its own root
+    `<workspaces>/<node>/`, as separate disks would be."""
+    names = [f"node{index}" for index in range(1, count + 1)]
+    for name in names:
+        root = Path(env["RUNWARDEN_WORKSPACES"]) / name
+        node_env = {**env, "RUNWARDEN_PLACEMENT": "node", "RUNWARDEN_NODE": name, "RUNWARDEN_WORKSPACES": str(root)}
+        devstack.start_worker(stack, node_env, concurrency=concurrency, name=name,
+                              log=logs / f"{name}.log" if logs else None)
+    return names
+
+
 def run_dev(args: argparse.Namespace) -> int:
     var = Path("var").resolve()
     env = os.environ.copy()
@@ -40,7 +53,11 @@ def run_dev(args: argparse.Namespace) -> int:
         except SettingsError as exc:
             print(f"runwarden: {exc}", file=sys.stderr)
             return 2
-        devstack.start_worker(stack, env, concurrency=args.concurrency)
+        if args.nodes:
+            env["RUNWARDEN_PLACEMENT"] = "node"
+            start_nodes(stack, env, args.nodes, args.concurrency)
+        else:
+            devstack.start_worker(stack, env, concurrency=args.concurrency)
         devstack.start_api(stack, env, args.host, args.port)
         base = f"http://{args.host}:{args.port}"
         devstack.wait_for(lambda: stopping or devstack.http_ok(f"{base}/readyz"), 120, "the API", stack)

@@ -151,6 +151,11 @@ class Unavailable(RunwardenError):
         self.headers["Retry-After"] = "1"
 
 
+class WorkspaceUnavailable(Unavailable):
+    """Node placement: the node holding the run's workspace is down (or no node is live)."""
+    code, title = "workspace_unavailable", "Workspace unavailable"
+
+
 class InternalError(RunwardenError):
     """A bug: logged with its trace on the server, never shown to the client."""
     code, status, title = "internal_error", 500, "Internal error"

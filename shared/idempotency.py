@@ -22,6 +22,8 @@ import redis
 from shared import keys
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, QuotaExceeded, RateLimited, Unauthorized
 from shared.schema import whole
+from shared import placement
+from shared.placement import PLACE
 from shared.scheduler import DISPATCH
 from shared.tenants import Quotas
 from shared.tokens import REVOKED
@@ -85,15 +87,22 @@ end
 #       [6] the run's active set.
 # ARGV: [1] fingerprint, [2] task id, [3] ttl ms, [4] tenant, [5] run id, [6] call id, [7] tool name,
 #       [8] created ms, [9] accepted code, [10] accepted body, [11]-[16] as _ADMIT, [17] the tool's
-#       Celery queue.
-# Returns 'direct' (claimed; the queue has room and nobody waits: publish to it) or 'hold'
-# (claimed; publish to the tenant's hold queue, then kick: shared/scheduler.py), the existing
-# record (fp, task id, state, code, body), 'revoked', 'rate_limited', or {'quota', name, retry-after}.
-_CLAIM = _ADMIT + DISPATCH + """
+#       Celery queue, [18] '1' under node placement (the call goes to its run's node's queue).
+# Returns {'direct', queue} (claimed; the queue has room and nobody waits: publish to it) or
+# {'hold', queue} (claimed; publish to the tenant's hold queue, then kick: shared/scheduler.py),
+# the existing record (fp, task id, state, code, body), 'revoked', 'rate_limited',
+# {'quota', name, retry-after} or {'down', node} (node placement: the run's node is down).
+_CLAIM = _ADMIT + DISPATCH + PLACE + """
 if KEYS[10] and redis.call('EXISTS', KEYS[10], KEYS[11]) > 0 then return 'revoked' end
 if rate_limited() then return 'rate_limited' end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HMGET', KEYS[1], 'fp', 'task_id', 'state', 'code', 'body')
+end
+local queue = ARGV[17]
+if ARGV[18] == '1' then  -- node placement: the run's node's queue, or 503 before claiming anything
+  local node, down = place(ARGV[4], ARGV[5], tonumber(ARGV[8]))
+  if not node then return {'down', down or ''} end
+  queue = queue .. '@' .. node
 end
 local over = over_quota()
 if over then return {'quota', over[1], over[2]} end
@@ -108,15 +117,14 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[5], ARGV[2])
 redis.call('SADD', KEYS[6], ARGV[2])
 if redis.call('INCR', KEYS[7]) == 1 then redis.call('EXPIRE', KEYS[7], 120) end
-local queue = ARGV[17]
 redis.call('HSET', KEYS[2], 'queue', queue)
 if redis.call('LLEN', RING .. queue) == 0
    and redis.call('SCARD', INFLIGHT .. queue) < capacity(queue, tonumber(ARGV[8])) then
   redis.call('SADD', INFLIGHT .. queue, ARGV[2])
-  return 'direct'
+  return {'direct', queue}
 end
 redis.call('SADD', HOLDERS .. queue, ARGV[4])  -- so that heal finds it, should the kick not come
-return 'hold'
+return {'hold', queue}
 """
 
 # KEYS: idempotency record, task record. ARGV: task id, now ms.
@@ -141,6 +149,7 @@ class Admitted:
     hold queue, where the fair scheduler will take it from."""
 
     direct: bool
+    queue: str  # the tool's queue, or under node placement its run's node's
 
 
 @dataclass(frozen=True)
@@ -155,8 +164,10 @@ class Existing:
 
 
 class Idempotency:
-    def __init__(self, client: redis.Redis, ttl_s: int, rate_limit_per_s: int, quotas: Quotas) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: int, rate_limit_per_s: int, quotas: Quotas,
+                 node_placement: bool = False) -> None:
         self.client = client
+        self.node_placement = node_placement
         self.ttl_ms = ttl_s * 1000
         self.rate_limit_per_s = rate_limit_per_s
         self.quotas = quotas  # the defaults; a tenant's overrides are read by the script
@@ -191,18 +202,20 @@ class Idempotency:
                   keys.tenant_quotas(tenant), *revoked],
             args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body,
                   self.rate_limit_per_s, q.max_running, q.calls_per_minute, q.output_bytes_per_hour,
-                  60 - now_s % 60, 3600 - now_s % 3600, queue],
+                  60 - now_s % 60, 3600 - now_s % 3600, queue, "1" if self.node_placement else "0"],
         )
+        if isinstance(found, list) and found and found[0] in (b"direct", b"hold"):
+            return Admitted(direct=found[0] == b"direct", queue=found[1].decode())
         if isinstance(found, list) and found and found[0] == b"quota":
             raise QuotaExceeded(found[1].decode(), int(found[2]))
+        if isinstance(found, list) and found and found[0] == b"down":
+            raise placement.unavailable(found[1].decode())
         if found == b"revoked":
             raise Unauthorized(REVOKED)
         if found == b"rate_limited":
             error = RateLimited(f"More than {self.rate_limit_per_s} tool calls per second for this tenant.")
             error.headers["Retry-After"] = "1"
             raise error
-        if found in (b"direct", b"hold"):
-            return Admitted(direct=found == b"direct")
         fp_found, task_found, state, code_found, body_found = found
         return Existing(
             fingerprint=fp_found.decode(),

@@ -152,6 +152,21 @@ def queue_workers(queue: str) -> str:
     return f"{PREFIX}:workers:{queue}"
 
 
+# Node placement (shared/placement.py).
+NODES = f"{PREFIX}:nodes"  # sorted set: worker node → when its heartbeat expires (ms)
+DRAINING = f"{PREFIX}:nodes:draining"  # set of nodes that take no new run (stopping)
+
+
+def placement(tenant: str, run_id: str) -> str:
+    """String: the node a run's workspace lives on (node placement); deleted with the workspace."""
+    return f"{PREFIX}:placement:{tenant}:{run_id}"
+
+
+def node_runs(node: str) -> str:
+    """Set of the runs ("tenant/run") placed on a node: the fewest wins the next run."""
+    return f"{PREFIX}:noderuns:{node}"
+
+
 def revoked_jti(jti: str, tenant: str | None = None) -> str:
     """String present while a token id is revoked: for every tenant (`runwarden token revoke`), or
     for one tenant's tokens (`POST /v1/admin/revocations`, which acts on the admin's own tenant)."""

@@ -9,6 +9,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.paths import NAME_RE
 from urllib.parse import urlsplit
 
 log = logging.getLogger("runwarden.settings")
@@ -68,6 +70,9 @@ class Settings:
     tenant_calls_per_minute: int
     tenant_output_bytes_per_hour: int
     tenant_workspace_bytes: int
+    placement: str  # "shared": one workspaces root for all; "node": a run lives on one node's disk
+    node: str | None  # a worker's node name (RUNWARDEN_NODE), in node placement
+    node_timeout_s: int  # a node without a heartbeat for this long is down
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
@@ -113,6 +118,9 @@ class Settings:
             tenant_calls_per_minute=_int(env, "RUNWARDEN_TENANT_CALLS_PER_MINUTE", 0),
             tenant_output_bytes_per_hour=_int(env, "RUNWARDEN_TENANT_OUTPUT_BYTES_PER_HOUR", 16 * 1024 ** 3),
             tenant_workspace_bytes=_int(env, "RUNWARDEN_TENANT_WORKSPACE_BYTES", 10 * 1024 ** 3),
+            placement=_choice(env, "RUNWARDEN_PLACEMENT", ("shared", "node")),
+            node=_node(env),
+            node_timeout_s=_int(env, "RUNWARDEN_NODE_TIMEOUT", 15, 3),
             public_url=_public_url(env.get("RUNWARDEN_PUBLIC_URL", "")),
             trusted_proxies=_int(env, "RUNWARDEN_TRUSTED_PROXIES", 0, 0),
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
@@ -124,6 +132,21 @@ class Settings:
     @property
     def jwt_verify_key(self) -> bytes:
         return self.jwt_public_key if self.jwt_public_key is not None else self.jwt_secret  # type: ignore[return-value]
+
+
+def _choice(env: dict[str, str], name: str, choices: tuple[str, ...]) -> str:
+    value = env.get(name) or choices[0]
+    if value not in choices:
+        raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _node(env: dict[str, str]) -> str | None:
+    """A worker node's name: also its Celery hostname and part of its queues' names."""
+    node = env.get("RUNWARDEN_NODE") or None
+    if node is not None and not NAME_RE.fullmatch(node):
+        raise SettingsError(f"RUNWARDEN_NODE must match {NAME_RE.pattern}, got {node!r}")
+    return node
 
 
 def _public_url(raw: str) -> str:

@@ -20,6 +20,7 @@ import redis
 import requests
 
 from runwarden import devstack
+from runwarden.dev import start_nodes
 from shared import tokens
 
 
@@ -59,14 +60,18 @@ def stack_env(tmp: Path, redis_url: str, secret: str, **overrides: str) -> dict[
 
 
 def start_stack(tmp: Path, *, workers: int = 1, concurrency: int = 2, redis_url: str | None = None,
-                **overrides: str) -> StackInfo:
+                nodes: int = 0, **overrides: str) -> StackInfo:
+    """`nodes`: node placement with that many worker nodes (as `runwarden dev --nodes N`) instead
+    of `workers` sharing one workspaces root."""
     stack = devstack.Stack()
     logs = tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     redis_url = redis_url or devstack.start_redis(stack, tmp / "redis")
     secret = secrets.token_urlsafe(48)
-    env = stack_env(tmp, redis_url, secret, **overrides)
-    for index in range(workers):
+    env = stack_env(tmp, redis_url, secret, **({"RUNWARDEN_PLACEMENT": "node"} if nodes else {}), **overrides)
+    if nodes:
+        start_nodes(stack, env, nodes, concurrency, logs)
+    for index in range(0 if nodes else workers):
         devstack.start_worker(stack, env, concurrency=concurrency, name=f"w{index}-{uuid.uuid4().hex[:6]}",
                               log=logs / f"worker{index}.log")
     port = devstack.free_port()

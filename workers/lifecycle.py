@@ -10,9 +10,12 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import (celeryd_after_setup, worker_init, worker_process_shutdown, worker_ready, worker_shutdown,
+                            worker_shutting_down)
 
 from shared.errors import SandboxUnavailable
+from shared import keys
+from shared.placement import Placement, node_queue
 from shared.records import Records
 from shared.scheduler import Scheduler
 from shared.settings import Settings
@@ -59,15 +62,30 @@ def connect_worker_signals(app: Celery) -> None:
         threading.Thread(target=_heartbeat_forever, args=(settings, pool, stop), name="runwarden-heartbeat",
                          daemon=True).start()
 
+    @celeryd_after_setup.connect(weak=False)
+    def consume_node_queues(sender: str, instance: Any, **_: object) -> None:
+        """A node also consumes the queues of the runs placed on it (contract section 14)."""
+        if settings.placement == "node":
+            for queue in (keys.FILE_QUEUE, keys.SHELL_QUEUE):
+                instance.app.amqp.queues.select_add(node_queue(queue, settings.node))
+
+    @worker_shutting_down.connect(weak=False)
+    def take_no_new_call(**_: object) -> None:
+        """SIGTERM: the pool leaves its queues' capacity at once (its running calls finish), and a
+        node takes no new run."""
+        stop.set()
+        pool = getattr(app, "runwarden_pool", None)
+        with suppress(redis.RedisError):
+            client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+            if pool is not None:
+                for queue in pool.queues:
+                    Scheduler(client).leave(queue, pool.name)
+            if settings.node is not None:
+                Placement(client).drain(settings.node)
+
     @worker_shutdown.connect(weak=False)
     def stop_reaper(**_: object) -> None:
         stop.set()
-        pool = getattr(app, "runwarden_pool", None)
-        if pool is not None:  # taking no new call: its pool leaves the queues' capacity at once
-            with suppress(redis.RedisError):
-                scheduler = Scheduler(redis.Redis.from_url(settings.redis_url, socket_timeout=5))
-                for queue in pool.queues:
-                    scheduler.leave(queue, pool.name)
         # The pool has stopped: the groups of its processes go, also of those killed outright
         # (a SIGTERM to the whole process group kills pool processes before they can remove theirs).
         cgroups = getattr(getattr(app, "runwarden_runner", None), "cgroups", None)
@@ -99,9 +117,12 @@ class Pool:
 def _heartbeat_forever(settings: Settings, pool: Pool, stop: threading.Event) -> None:
     """Say every HEARTBEAT_S that this pool serves its queues (their capacity); each beat also lets
     the scheduler repair what a crash left (shared/scheduler.py, `heal`)."""
-    scheduler = Scheduler(redis.Redis.from_url(settings.redis_url, socket_timeout=10))
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+    scheduler, placement = Scheduler(client), Placement(client)
     while True:
         try:
+            if settings.node is not None:
+                placement.heartbeat(settings.node, settings.node_timeout_s)
             for queue in pool.queues:
                 scheduler.heartbeat(queue, pool.name, pool.processes, HEARTBEAT_S * 3)
         except redis.RedisError as exc:

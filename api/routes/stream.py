@@ -49,6 +49,8 @@ def check_handshake() -> None:
     if view is None or view.tenant != grant.tenant or view.run_id != grant.run_id or not TOOLS[view.tool_name].streams:
         raise NotFound("No such stream.")
     grant.require_scope(TOOLS[view.tool_name].scope)
+    if runtime().settings.placement == "node":
+        runtime().placement.require_live(grant.tenant, grant.run_id)  # 503 while its node is down
     g.grant, g.after_seq = grant, _after_seq()
 
 
