@@ -15,7 +15,7 @@ from shared.settings import Settings
 
 REQUIRED_CLAIMS = ("sub", "tenant", "run_id", "scopes", "allowed_paths", "exp", "iat", "aud")
 REVOKED = "The token has been revoked."
-SCOPES = ("files:read", "files:write", "shell:exec", "shell:network")
+SCOPES = ("files:read", "files:write", "shell:exec", "shell:network", "workspaces:admin")
 MAX_LIST = 256
 MAX_STR = 256
 
