@@ -1,4 +1,4 @@
-"""What a worker does at start: test its sandbox once, and reap calls whose worker died."""
+"""What a worker does at start: test its sandbox once, reap calls whose worker died, sweep workspaces."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,8 @@ from celery.signals import worker_init, worker_process_shutdown, worker_ready, w
 from shared.errors import SandboxUnavailable
 from shared.records import Records
 from workers import sandbox
-from workers.tasks import reap_lost_calls
+from workers.tasks import WORKER_NAME, reap_lost_calls
+from workers.workspaces import sweep_forever
 
 log = logging.getLogger("runwarden.worker")
 
@@ -47,6 +48,9 @@ def connect_worker_signals(app: Celery) -> None:
         else:
             log.info("sandbox self-test passed (%s)", app.runwarden_runner.name)  # type: ignore[attr-defined]
         threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
+        # Idle expiry, measuring and dead workers' staging directories (workers/workspaces.py).
+        threading.Thread(target=sweep_forever, args=(settings, WORKER_NAME, stop), name="runwarden-workspaces",
+                         daemon=True).start()
 
     @worker_shutdown.connect(weak=False)
     def stop_reaper(**_: object) -> None:
