@@ -4,7 +4,7 @@ staging directory, and writes nothing outside: a marker directory next to the wo
 holds a file the archives aim at, which must stay as it was.
 
 A stack of its own, with small limits (50 entries, 64 MiB a workspace), so the limits can be hit
-with small archives.
+with small archives, and short request bounds: 2 s for a request, 15 s for an upload.
 """
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import os
 import shutil
 import stat
 import tarfile
+import socket
+import time
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -27,6 +31,7 @@ from tests.waiting import wait_until
 
 MAX_FILES = 50
 QUOTA = 64 * 1024 * 1024
+REQUEST_TIMEOUT_S, UPLOAD_TIMEOUT_S = 2, 15
 SECRET = b"the host's own file\n"
 
 
@@ -37,7 +42,8 @@ def hostile_stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     marker.mkdir(mode=0o777)
     (marker / "secret").write_bytes(SECRET)
     info = start_stack(tmp_path_factory.mktemp("archives"), RUNWARDEN_WORKSPACES=str(workspaces),
-                       RUNWARDEN_WORKSPACE_MAX_FILES=str(MAX_FILES), RUNWARDEN_TENANT_WORKSPACE_BYTES=str(QUOTA))
+                       RUNWARDEN_WORKSPACE_MAX_FILES=str(MAX_FILES), RUNWARDEN_TENANT_WORKSPACE_BYTES=str(QUOTA),
+                       RUNWARDEN_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT_S), RUNWARDEN_UPLOAD_TIMEOUT=str(UPLOAD_TIMEOUT_S))
     info.marker = marker  # type: ignore[attr-defined]
     yield info
     info.stack.stop()
@@ -251,3 +257,34 @@ def gzip_of_trailing_zeros(head: bytes, zeros: int) -> bytes:
     pieces.append(compressor.flush())
     return b"".join(pieces)
 
+
+
+def test_an_upload_may_take_longer_than_a_request_but_a_stalled_one_creates_nothing(hostile_stack: Any,
+                                                                                      operator: Operator) -> None:
+    """An upload is bounded by RUNWARDEN_UPLOAD_TIMEOUT, not RUNWARDEN_REQUEST_TIMEOUT: a body
+    trickling in for twice the request bound (it sleeps, so it cannot be faster) goes through; a body
+    that stops arriving is answered 408 once the upload bound is spent, and leaves nothing."""
+    archive = tar(file("slow.txt", b"slow\n" * 1000))
+
+    def trickle() -> Iterator[bytes]:
+        pieces = [archive[i:i + len(archive) // 8 + 1] for i in range(0, len(archive), len(archive) // 8 + 1)]
+        for piece in pieces:
+            time.sleep(2 * REQUEST_TIMEOUT_S / len(pieces))
+            yield piece
+
+    slow = operator.put("r-slow", trickle())
+    assert slow.status_code == 201 and slow.json()["bytes"] == 5000, slow.text
+
+    api = urlsplit(hostile_stack.base_url)
+    with socket.create_connection((api.hostname, api.port), timeout=UPLOAD_TIMEOUT_S + 60) as conn:
+        conn.sendall(f"PUT /v1/workspaces/r-stalled HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {operator.token}\r\n"
+                     f"Content-Type: application/x-tar\r\nContent-Length: {len(archive) + 4096}\r\n\r\n".encode()
+                     + archive[:2048])
+        answer = b""
+        while b"\r\n\r\n" not in answer and (data := conn.recv(65536)):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"application/problem+json" in answer
+    tenant_dir = operator.path("r-stalled").parent
+    wait_until(lambda: os.listdir(tenant_dir) == ["r-slow"], 60, "the stalled upload's staging directory to go")
+    assert "r-stalled" not in operator.listing()
