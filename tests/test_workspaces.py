@@ -92,7 +92,8 @@ def test_an_existing_workspace_is_kept_unless_replaced(stack: StackInfo, operato
     replaced = operator.put("r1", tar(file("new.txt", b"new!")), replace=True)
     assert replaced.status_code == 201 and replaced.json()["files"] == 1, replaced.text
     assert os.listdir(operator.path("r1")) == ["new.txt"]
-    assert os.listdir(operator.path("r1").parent) == ["r1"]  # no staging or trash directory left
+    # The old tree, renamed aside, is removed once the answer is given; no staging directory is left.
+    wait_until(lambda: os.listdir(operator.path("r1").parent) == ["r1"], 60, "the replaced tree to be removed")
     assert operator.listing()["r1"]["bytes"] == 4
 
 
@@ -111,7 +112,7 @@ def test_delete(stack: StackInfo, operator: Operator) -> None:
     deleted = operator.delete("r1")
     assert deleted.status_code == 204 and deleted.content == b"", deleted.text
     assert not os.path.lexists(operator.path("r1")) and "r1" not in operator.listing()
-    assert os.listdir(operator.path("r1").parent) == []
+    wait_until(lambda: os.listdir(operator.path("r1").parent) == [], 60, "the deleted tree to be removed")
     again = operator.delete("r1")
     assert again.status_code == 404 and again.json()["code"] == "not_found", again.text
 
