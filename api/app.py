@@ -7,7 +7,7 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import metrics, problems, server
-from api.routes import admin, mcp, meta, stream, tool_calls, tool_use
+from api.routes import admin, mcp, meta, stream, tool_calls, tool_use, workspaces
 from api.runtime import Runtime
 from shared.settings import Settings
 from shared.celery_app import create_celery
@@ -35,6 +35,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(mcp.bp)
     app.register_blueprint(meta.bp)
     app.register_blueprint(stream.bp)
+    app.register_blueprint(workspaces.bp)  # its PUT sets its own body limit, above MAX_CONTENT_LENGTH
     stream.sock.init_app(app)
     if settings.trusted_proxies:
         # Only then are X-Forwarded-For/-Proto/-Host/-Port/-Prefix believed, and only the last

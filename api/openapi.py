@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from shared.idempotency import KEY_RE
+from shared.paths import NAME_RE
 from shared.schema import TOOLS, whole
+from shared.workspaces import GIT_SOURCE_SCHEMA
 
 _PROBLEM = {
     "type": "object",
@@ -17,6 +19,7 @@ _PROBLEM = {
             "pointer": {"type": "string"}, "message": {"type": "string"}}}},
         "task_id": {"type": "string"}, "call_id": {"type": "string"}, "tool_name": {"type": "string"},
         "current_sha": {"type": "string"}, "stream_url": {"type": "string"},
+        "member": {"type": ["string", "null"]},
     },
 }
 _STATUS = {"type": "string", "enum": ["queued", "running", "completed", "failed", "cancelled", "lost"]}
@@ -119,6 +122,43 @@ def _problems(*codes: int) -> dict[str, Any]:
             for code in codes}
 
 
+_TIME = {"type": "string", "format": "date-time"}
+_WORKSPACE = {"type": "object", "required": ["run_id", "bytes", "files", "created", "last_used", "node"],
+              "properties": {"run_id": {"type": "string"}, "bytes": {"type": "integer"}, "files": {"type": "integer"},
+                             "created": _TIME, "last_used": _TIME, "node": {"type": ["string", "null"]}}}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+
+
+def _workspaces(auth: list[dict[str, list[str]]]) -> dict[str, Any]:
+    """Contract section 11: the tenant's workspaces, for a token with `workspaces:admin`."""
+    run_id = {"name": "run_id", "in": "path", "required": True,
+              "schema": {"type": "string", "pattern": whole(NAME_RE.pattern[1:-1]), "maxLength": 64}}
+    replace = {"name": "replace", "in": "query", "required": False, "schema": {"type": "string", "enum": ["true", "false"]}}
+    created = {"type": "object", "required": ["run_id", "files", "bytes"],
+               "properties": {"run_id": {"type": "string"}, "files": {"type": "integer"}, "bytes": {"type": "integer"}}}
+    return {
+        "/v1/workspaces": {"get": {
+            "operationId": "listWorkspaces", "security": auth,
+            "responses": {"200": _json({"type": "object", "required": ["workspaces"],
+                                        "properties": {"workspaces": {"type": "array", "items": _WORKSPACE}}},
+                                       "the tenant's workspaces, by run_id"), **_problems(401, 403, 503)},
+        }},
+        "/v1/workspaces/{run_id}": {
+            "put": {
+                "operationId": "createWorkspace", "security": auth, "parameters": [run_id, replace],
+                "description": "No body: an empty workspace. A tar or gzipped tar: extracted. JSON: a git clone.",
+                "requestBody": {"required": False, "content": {
+                    "application/x-tar": _BINARY, "application/gzip": _BINARY,
+                    "application/json": {"schema": GIT_SOURCE_SCHEMA}}},
+                "responses": {"201": _json(created, "created"),
+                              **_problems(400, 401, 403, 404, 408, 409, 413, 415, 422, 503)},
+            },
+            "delete": {"operationId": "deleteWorkspace", "security": auth, "parameters": [run_id],
+                       "responses": {"204": {"description": "deleted"}, **_problems(400, 401, 403, 404, 409, 503)}},
+        },
+    }
+
+
 def tool_call_schema() -> dict[str, Any]:
     return {"oneOf": [
         {"type": "object", "required": ["tool_name", "call_id", "parameters"], "additionalProperties": False,
@@ -191,5 +231,6 @@ def document() -> dict[str, Any]:
                 "description": "Prometheus exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"operationId": "openapi", "security": [],
                                       "responses": {"200": _json({"type": "object"}, "this document")}}},
+            **_workspaces(auth),
         },
     }

@@ -10,6 +10,8 @@ The worker is gunicorn's gthread worker (a thread per request or open stream) wi
   `RequestTimedOut` (an HTTP 408), which answers it as problem+json. Idle kept-alive connections wait
   in gthread's poller and WebSockets read the socket directly, so neither is affected, nor is a
   request the application takes long to answer (`Prefer: wait=60`): it reads nothing meanwhile.
+  A route that receives large bodies (a workspace upload) gives its request a longer bound
+  (`allow_request_time`, RUNWARDEN_UPLOAD_TIMEOUT).
 - **Refusals as problem+json.** gunicorn answers a request it cannot parse (400, 414, 431…) with an
   HTML page; contract section 7 wants problem+json with a `code` (shared/errors.py).
 - **No trust in forwarding headers.** gunicorn believes `X-Forwarded-Proto` (and `SCRIPT_NAME`
@@ -25,6 +27,7 @@ from __future__ import annotations
 import errno
 import json
 import ssl
+import threading
 import time
 from http import HTTPStatus
 from typing import Any
@@ -62,12 +65,19 @@ class RequestClock:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        self.allowed_s = timeout_s  # this request's bound: timeout_s, unless the application allows more
         self.running = False
         self.expired = False
         self.deadline: float | None = None
 
     def restart(self) -> None:
-        self.running, self.expired, self.deadline = True, False, None
+        self.running, self.expired, self.deadline, self.allowed_s = True, False, None, self.timeout_s
+
+    def allow(self, timeout_s: float) -> None:
+        """Bound this request by `timeout_s` from its first read instead."""
+        if self.deadline is not None:
+            self.deadline += timeout_s - self.allowed_s
+        self.allowed_s = timeout_s
 
     def stop(self) -> None:
         self.running = False
@@ -78,7 +88,7 @@ class RequestClock:
             return None
         now = time.monotonic()
         if self.deadline is None:
-            self.deadline = now + self.timeout_s
+            self.deadline = now + self.allowed_s
         return self.deadline - now
 
     def expire(self) -> RequestTimedOut:
@@ -134,6 +144,17 @@ class Connection(gthread.TConn):
             super().close(graceful)
 
 
+_handling = threading.local()  # the clock of the request this thread is handling
+
+
+def allow_request_time(timeout_s: float) -> None:
+    """Let the request being handled take `timeout_s` (from its first read) to arrive whole; for a
+    route whose bodies are large. Nothing happens under another server (tests, the benchmark's floor)."""
+    clock = getattr(_handling, "clock", None)
+    if clock is not None:
+        clock.allow(timeout_s)
+
+
 class Worker(gthread.ThreadWorker):
     """gthread with the changes the module docstring lists."""
 
@@ -173,9 +194,11 @@ class Worker(gthread.ThreadWorker):
         return result
 
     def handle_request(self, req: Any, conn: Connection) -> Any:
+        _handling.clock = conn.clock
         try:
             return super().handle_request(req, conn)
         finally:
+            _handling.clock = None
             conn.clock.stop()  # later reads are gthread's drain of an unread body, bounded by it
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:

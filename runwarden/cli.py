@@ -1,11 +1,11 @@
-"""The `runwarden` command: one parser, a module per noun (`dev`, `admin` for token and tenant, and
-the Python client's `call`)."""
+"""The `runwarden` command: one parser, a module per noun (`dev`, `admin` for token and tenant,
+`workspaces`, and the Python client's `call`)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from runwarden import admin, dev as dev_stack
+from runwarden import admin, dev as dev_stack, workspaces
 from runwarden_client import cli as client_cli
 from shared import tokens
 from shared.tenants import Quotas
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         set_quotas.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None, metavar="N")
     tenant.add_parser("show", help="the tenant's quotas and which are overrides").add_argument("tenant")
 
+    workspaces.add_arguments(commands.add_parser(
+        "workspace", help="create, list or delete workspaces (RUNWARDEN_URL, RUNWARDEN_TOKEN with workspaces:admin)"))
+
     call = commands.add_parser("call", help="make one tool call: read, patch or sh (RUNWARDEN_URL, RUNWARDEN_TOKEN)")
     client_cli.add_arguments(call)
 
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return client_cli.run(args)
     if args.command == "tenant":
         return admin.run_tenant(args)
+    if args.command == "workspace":
+        return workspaces.run(args)
     if args.token_command == "mint":
         return admin.run_mint(args)
     return admin.run_revoke(args)

@@ -118,6 +118,32 @@ class MethodNotAllowed(RunwardenError):
     code, status, title = "method_not_allowed", 405, "Method not allowed"
 
 
+class ArchiveRejected(RunwardenError):
+    """An uploaded archive (or a clone) that may not become a workspace: a member leading out of it,
+    a special file, or more bytes or files than the quota allows. `member` names the offending
+    member (null when the archive as a whole is at fault). Nothing of it is written."""
+    code, status, title = "archive_rejected", 422, "Archive rejected"
+
+    def __init__(self, detail: str, member: str | None) -> None:
+        super().__init__(detail, member=member)
+
+
+class CloneFailed(RunwardenError):
+    """git could not clone the repository (not found, no such ref, unreachable, too slow); the
+    detail carries the end of git's own message."""
+    code, status, title = "clone_failed", 422, "Repository could not be cloned"
+
+
+class WorkspaceBusy(RunwardenError):
+    """A call of the run is queued or running, or another operation on its workspace is under way."""
+    code, status, title = "workspace_busy", 409, "Workspace busy"
+
+
+class WorkspaceExists(RunwardenError):
+    """The run already has a workspace; `?replace=true` replaces it."""
+    code, status, title = "workspace_exists", 409, "Workspace exists"
+
+
 class PayloadTooLarge(RunwardenError):
     """The body exceeds the configured limit; refused before it is parsed."""
     code, status, title = "payload_too_large", 413, "Payload too large"

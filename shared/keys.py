@@ -185,4 +185,37 @@ def mcp_request(tenant: str, run_id: str, sub: str, request_id: str) -> str:
     return f"{PREFIX}:mcp:{tenant}:{who}"
 
 
+def workspaces(tenant: str) -> str:
+    """Hash: run_id → JSON {bytes, files, created} of each workspace of the tenant, written by
+    workers (at creation, then measured again after calls); `GET /v1/workspaces` reads it. No TTL:
+    an entry goes with its workspace."""
+    return f"{PREFIX}:workspaces:{tenant}"
+
+
+def workspace_lock(tenant: str, run_id: str) -> str:
+    """String (an operation id) held by the worker creating, replacing or deleting the run's
+    workspace; 60 s TTL, renewed while it works. Its staging directory is stale once it is gone."""
+    return f"{PREFIX}:wslock:{tenant}:{run_id}"
+
+
+def upload(op_id: str) -> str:
+    """List of one upload's chunks, each tagged (data, end, abort), pushed by the API and popped by
+    the worker extracting it; at most ~16 unread (the API waits); 60 s TTL, renewed by each push."""
+    return f"{PREFIX}:upload:{op_id}"
+
+
+def workspace_outcome(op_id: str) -> str:
+    """List pushed once with a workspace operation's answer (JSON status and body) for the waiting
+    API; 60 s TTL."""
+    return f"{PREFIX}:wsdone:{op_id}"
+
+
+# Sorted set of "tenant/run_id" scored by the workspace's last use (epoch seconds), written by
+# workers after each call: idle expiry and re-measuring read it. No TTL: a member goes with its workspace.
+WORKSPACES_BY_USE = f"{PREFIX}:wsused"
+WORKSPACE_SWEEP_LOCK = f"{PREFIX}:wssweep"  # string with a TTL: one worker sweeps per interval
+# Hash: `passes` (sweeps done, for tests and operators) and `measured_at` (epoch seconds of the
+# last sweep's start: workspaces used since then are measured again).
+WORKSPACE_SWEEPS = f"{PREFIX}:wssweeps"
+
 RUNNING_SET = f"{PREFIX}:running"  # sorted set of task ids running, scored by start time, for the reaper

@@ -76,6 +76,9 @@ class Settings:
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
+    upload_timeout_s: int  # the same for a workspace upload or clone, and to answer it
+    workspace_max_files: int  # entries of one workspace an upload or clone may hold
+    workspace_idle_ttl_s: int  # a workspace unused this long is deleted
     test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
 
     @classmethod
@@ -126,6 +129,10 @@ class Settings:
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
             # platform's servers arrives in milliseconds; a client slower than that holds a thread.
             request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
+            # 600 s: 10 GiB (the default workspace quota) at ~140 Mbit/s, or a large clone.
+            upload_timeout_s=_int(env, "RUNWARDEN_UPLOAD_TIMEOUT", 600, 10),
+            workspace_max_files=_int(env, "RUNWARDEN_WORKSPACE_MAX_FILES", 100_000, 1),
+            workspace_idle_ttl_s=_int(env, "RUNWARDEN_WORKSPACE_IDLE_TTL", 7 * 86400, 60),
             test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 

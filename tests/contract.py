@@ -17,6 +17,8 @@ ROUTES = {
     ("/v1/tool-calls", "post"), ("/v1/tool-calls/{task_id}", "get"), ("/v1/tool-calls/{task_id}", "delete"),
     ("/v1/tools", "get"), ("/healthz", "get"), ("/readyz", "get"), ("/metrics", "get"),
 }
+# Section 11: workspaces.
+ROUTES |= {("/v1/workspaces", "get"), ("/v1/workspaces/{run_id}", "put"), ("/v1/workspaces/{run_id}", "delete")}
 
 
 def assert_tool_parameters(schemas: dict[str, dict[str, Any]]) -> None:

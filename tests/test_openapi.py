@@ -1,6 +1,8 @@
 """The OpenAPI document matches the code, and schemathesis fuzzes the live API against it."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import requests
 import schemathesis
@@ -21,7 +23,8 @@ def live_schema(stack):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def fuzz_agent(stack):  # type: ignore[no-untyped-def]
-    # No shell scope: generated commands are validated, then refused (403), never run.
+    # No shell scope: generated commands are validated, then refused (403), never run; no
+    # workspaces:admin either, so generated workspace operations are refused (403) too.
     return Agent(stack, "fuzz", "run1", ["files:read", "files:write"], ["**"])
 
 
@@ -44,7 +47,7 @@ def test_every_route_is_documented(stack) -> None:
     from api.app import create_app
 
     app = create_app(Settings.from_env(stack.env))
-    routes = {(rule.rule.replace("<task_id>", "{task_id}"), method.lower())
+    routes = {(re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
               for rule in app.url_map.iter_rules() for method in rule.methods - {"HEAD", "OPTIONS"}}
     routes.discard(("/v1/tool-calls/{task_id}/stream", "get"))  # WebSocket: described in the text
     documented = {(path, method) for path, item in openapi.document()["paths"].items() for method in item}
@@ -57,7 +60,7 @@ def test_api_never_contradicts_its_document(live_schema, fuzz_agent, stack) -> N
     headers = {"Authorization": f"Bearer {fuzz_agent.token}"}
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     operations = [result.ok() for result in live_schema.get_all_operations()]
-    assert len(operations) == 12
+    assert len(operations) == 14
     calls = []
     for operation in operations:
         @given(case=operation.as_strategy())

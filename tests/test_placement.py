@@ -113,3 +113,19 @@ def test_deleting_the_placement_frees_the_run(nodes: StackInfo) -> None:
     assert not nodes.redis.sismember(keys.node_runs(node), f"{agent.tenant}/{agent.run_id}")
     assert agent.call("read_file", {"path": "none"}).status_code == 404
     assert node_of(nodes, agent) in ("node1", "node2")
+
+
+def test_a_workspace_made_by_put_places_its_run_and_delete_frees_it(nodes: StackInfo) -> None:
+    agent = new_agent(nodes)
+    admin = Agent(nodes, agent.tenant, "ops", ["workspaces:admin"], ["**"])
+    url, auth = f"{nodes.base_url}/v1/workspaces/{agent.run_id}", {"Authorization": f"Bearer {admin.token}"}
+    created = admin.http.put(url, headers=auth, timeout=60)
+    assert created.status_code == 201, created.text
+    node = node_of(nodes, agent)
+    listed = admin.http.get(f"{nodes.base_url}/v1/workspaces", headers=auth, timeout=30).json()["workspaces"]
+    assert [w["node"] for w in listed if w["run_id"] == agent.run_id] == [node]
+    assert agent.shell("pwd; ls -A | wc -l").json()["result"]["stdout"] == "/workspace\n0\n"
+    assert (nodes.workspaces / node / agent.tenant / agent.run_id).is_dir()
+    assert admin.http.delete(url, headers=auth, timeout=60).status_code == 204
+    assert nodes.redis.get(keys.placement(agent.tenant, agent.run_id)) is None
+    assert not nodes.redis.sismember(keys.node_runs(node), f"{agent.tenant}/{agent.run_id}")

@@ -1,4 +1,4 @@
-"""What a worker does at start: test its sandbox once, and reap calls whose worker died."""
+"""What a worker does at start: test its sandbox once, reap calls whose worker died, sweep workspaces."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +20,8 @@ from shared.records import Records
 from shared.scheduler import Scheduler
 from shared.settings import Settings
 from workers import sandbox
-from workers.tasks import reap_lost_calls
+from workers.tasks import WORKER_NAME, reap_lost_calls
+from workers.workspaces import sweep_forever
 
 log = logging.getLogger("runwarden.worker")
 HEARTBEAT_S = 2.0  # a worker missing three beats no longer counts in its queues' capacity
@@ -60,6 +61,9 @@ def connect_worker_signals(app: Celery) -> None:
                     sender.controller.concurrency)
         app.runwarden_pool = pool  # type: ignore[attr-defined]
         threading.Thread(target=_heartbeat_forever, args=(settings, pool, stop), name="runwarden-heartbeat",
+                         daemon=True).start()
+        # Idle expiry, measuring and dead workers' staging directories (workers/workspaces.py).
+        threading.Thread(target=sweep_forever, args=(settings, WORKER_NAME, stop), name="runwarden-workspaces",
                          daemon=True).start()
 
     @celeryd_after_setup.connect(weak=False)

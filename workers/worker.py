@@ -7,5 +7,5 @@ settings = Settings.from_env(require_jwt=False)
 if settings.placement == "node" and settings.node is None:
     raise SettingsError("RUNWARDEN_PLACEMENT=node: a worker needs RUNWARDEN_NODE, its node's name")
 celery = create_celery(settings)
-celery.conf.include = ["workers.tasks"]
+celery.conf.include = ["workers.tasks", "workers.workspace_tasks"]
 connect_worker_signals(celery)
