@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shared.connections import parse_sentinels
+
 log = logging.getLogger("runwarden.settings")
 
 MIN_HS256_SECRET_BYTES = 32
@@ -71,6 +73,14 @@ class Settings:
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
+    # Operations (contract section 12; README, "Operate"):
+    redis_sentinel_master: str = "mymaster"  # the master's name, when redis_url lists Sentinels
+    redis_sentinel_password: str | None = field(default=None, repr=False)  # the Sentinels' own, if any
+    metrics_dir: Path | None = None  # PROMETHEUS_MULTIPROC_DIR: each process's metrics, summed per scrape
+    worker_metrics_port: int = 9808  # a worker's /metrics; 0: none
+    worker_metrics_host: str = "0.0.0.0"
+    audit_maxlen: int = 100_000  # audit records kept per tenant (about: XADD MAXLEN ~)
+    log_format: str = "text"  # or "json": one object a line
     test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
 
     @classmethod
@@ -84,6 +94,10 @@ class Settings:
         sandbox = env.get("RUNWARDEN_SANDBOX", "bwrap")
         if sandbox not in ("bwrap", "none"):
             raise SettingsError(f"RUNWARDEN_SANDBOX must be 'bwrap' or 'none', got {sandbox!r}")
+        log_format = env.get("RUNWARDEN_LOG_FORMAT", "") or "text"
+        if log_format not in ("text", "json"):
+            raise SettingsError(f"RUNWARDEN_LOG_FORMAT must be 'text' or 'json', got {log_format!r}")
+        _check_redis_url(redis_url)
         return cls(
             redis_url=redis_url,
             jwt_secret=secret,
@@ -118,12 +132,28 @@ class Settings:
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
             # platform's servers arrives in milliseconds; a client slower than that holds a thread.
             request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
+            redis_sentinel_master=env.get("RUNWARDEN_REDIS_SENTINEL_MASTER", "") or "mymaster",
+            redis_sentinel_password=env.get("RUNWARDEN_REDIS_SENTINEL_PASSWORD") or None,
+            # prometheus-client's own variable (it reads it too, to choose its multiprocess mode).
+            metrics_dir=Path(env["PROMETHEUS_MULTIPROC_DIR"]) if env.get("PROMETHEUS_MULTIPROC_DIR") else None,
+            worker_metrics_port=_int(env, "RUNWARDEN_WORKER_METRICS_PORT", 9808, 0),
+            worker_metrics_host=env.get("RUNWARDEN_WORKER_METRICS_HOST", "") or "0.0.0.0",
+            audit_maxlen=_int(env, "RUNWARDEN_AUDIT_MAXLEN", 100_000, 1),
+            log_format=log_format,
             test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 
     @property
     def jwt_verify_key(self) -> bytes:
         return self.jwt_public_key if self.jwt_public_key is not None else self.jwt_secret  # type: ignore[return-value]
+
+
+def _check_redis_url(url: str) -> None:
+    """A Sentinel list must name its Sentinels; its text is not echoed (it may hold a password)."""
+    try:
+        parse_sentinels(url)
+    except ValueError as exc:
+        raise SettingsError(f"RUNWARDEN_REDIS_URL: {exc}") from None
 
 
 def _public_url(raw: str) -> str:
