@@ -40,7 +40,7 @@ def run_dev(args: argparse.Namespace) -> int:
         except SettingsError as exc:
             print(f"runwarden: {exc}", file=sys.stderr)
             return 2
-        devstack.start_worker(stack, env, concurrency=args.concurrency)
+        devstack.start_worker(stack, env, concurrency=args.concurrency, metrics_port=9808)
         devstack.start_api(stack, env, args.host, args.port)
         base = f"http://{args.host}:{args.port}"
         devstack.wait_for(lambda: stopping or devstack.http_ok(f"{base}/readyz"), 120, "the API", stack)
