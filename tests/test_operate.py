@@ -27,6 +27,7 @@ from runwarden import devstack
 from shared import tenants
 from tests.conftest import ALL_SCOPES, Agent, StackInfo, reachable_workspaces, start_stack
 from tests.streams import collect, connect
+from tests.test_deploy import dashboard_queries
 from tests.test_faults import proc_table, worker_main_pid
 from tests.waiting import cancel, ended, wait_until
 
@@ -191,6 +192,10 @@ def test_a_real_prometheus_scrapes_the_api_and_the_worker(ops: StackInfo, tmp_pa
         claimed = wait_until(lambda: query('sum by (job) (runwarden_idempotency_total{result="claimed"})'), 60,
                              "claims in Prometheus", 0.5)
         assert set(claimed) == {"api"}, claimed
+        for expr in dashboard_queries():  # Prometheus itself accepts every query of the dashboard
+            promql = expr.replace("$__rate_interval", "1m").replace("$__range", "5m")
+            answer = requests.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": promql}, timeout=10)
+            assert answer.status_code == 200 and answer.json()["status"] == "success", (promql, answer.text)
     finally:
         stack.stop()
 
