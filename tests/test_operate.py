@@ -9,12 +9,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -347,3 +344,38 @@ def test_sandbox_failures_are_counted(tmp_path: Path) -> None:
         assert samples[key] == 1
     finally:
         info.stack.stop()
+
+
+def test_flower_shows_each_call_as_a_summary_never_its_command(ops: StackInfo, tmp_path: Path) -> None:
+    """Flower, started against the stack's broker as compose runs it, lists runwarden's tasks with
+    the call's summary (tenant, run, call id, tool) as their args, and never the command."""
+    pytest.importorskip("flower", reason="Flower is in the dev extra")
+    port, stack = devstack.free_port(), devstack.Stack()
+    stack.start("flower", [sys.executable, "-m", "celery", "-A", "workers.worker", "flower", "--address=127.0.0.1",
+                           f"--port={port}"], {**ops.env, "FLOWER_UNAUTHENTICATED_API": "true"}, tmp_path / "flower.log")
+    base, agent = f"http://127.0.0.1:{port}", new_agent(ops)
+    try:
+        wait_until(lambda: devstack.http_ok(f"{base}/healthcheck"), 60, "Flower to answer", 0.2)
+
+        def a_call_flower_saw() -> tuple[str, str, dict[str, Any]] | None:
+            """Task events are pub/sub: a call made (or sent) before Flower listens is not seen
+            whole, so make calls until Flower has seen one from its start (name and args)."""
+            secret = f"secret-{uuid.uuid4().hex}"
+            task_id = agent.shell(f"echo {secret}").json()["task_id"]
+
+            def seen_whole() -> dict[str, Any] | None:
+                task = requests.get(f"{base}/api/tasks", timeout=10).json().get(task_id) or {}
+                return task if task.get("name") and task.get("args") else None
+            try:
+                seen = wait_until(seen_whole, 5, "Flower to see the call", 0.2)
+            except AssertionError:
+                return None
+            return task_id, secret, seen
+        task_id, secret, seen = wait_until(a_call_flower_saw, 60, "a call Flower saw", 0)
+        assert seen["name"] == "runwarden.execute_shell_command"
+        assert f"'tenant': '{agent.tenant}'" in seen["args"] and f"'run_id': '{agent.run_id}'" in seen["args"]
+        full = wait_until(lambda: (t := requests.get(f"{base}/api/task/info/{task_id}", timeout=10).json())
+                          .get("state") == "SUCCESS" and t, 30, "Flower to see the call succeed", 0.2)
+        assert secret not in json.dumps(full) and secret not in json.dumps(seen)
+    finally:
+        stack.stop()
