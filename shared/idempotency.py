@@ -192,9 +192,8 @@ class Idempotency:
         jti: str | None = None,
         audit: Audited | None = None,
     ) -> Existing | Admitted:
-        """Claim the key and create the task record atomically (`Admitted` when this request won),
-        with what its `audit` record will say of who asked and what.
-        Refuses a revoked token (by its `jti`), a tenant over its rate or its quotas, claiming nothing."""
+        """Claim the key and create the task record (with what its `audit` record says) atomically
+        (`Admitted` if this request won). Refuses a revoked `jti`, a tenant over its rate or quotas."""
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
         revoked = [keys.revoked_jti(jti), keys.revoked_jti(jti, tenant)] if jti is not None else []
