@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask
+from flask import Flask, request
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import metrics, problems, server
 from api.routes import admin, mcp, meta, stream, tool_calls, tool_use, workspaces
 from api.runtime import Runtime
+from shared import logs
 from shared.settings import Settings
 from shared.celery_app import create_celery
 
@@ -26,9 +27,12 @@ def create_app(settings: Settings | None = None) -> Flask:
         JSON_SORT_KEYS=False,
     )
     app.extensions["runwarden"] = Runtime.build(settings, create_celery(settings))
+    if logs.configure(settings, also=("gunicorn.error", "gunicorn.access")):
+        # A thread serves one request after another: each starts with only what it names.
+        app.before_request(lambda: logs.reset(task_id=(request.view_args or {}).get("task_id")))
     problems.register(app)
     server.init_app(app)
-    metrics.init_app(app)
+    metrics.init_app(app, settings)
     app.register_blueprint(tool_calls.bp)
     app.register_blueprint(tool_use.bp)
     app.register_blueprint(admin.bp)

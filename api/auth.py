@@ -4,7 +4,7 @@ from __future__ import annotations
 from flask import request
 
 from api.runtime import runtime
-from shared import revocations, tokens
+from shared import logs, revocations, tokens
 from shared.errors import ForbiddenOrigin, Unauthorized
 from shared.tokens import Grant
 
@@ -46,6 +46,7 @@ def authenticate(*, allow_subprotocol: bool = False, check_revoked: bool = True)
         raise Unauthorized("The token is too long.")
     rt = runtime()
     grant = tokens.verify(token, rt.settings)
+    logs.bind(tenant=grant.tenant, sub=grant.sub)
     if check_revoked:
         refuse_if_revoked(grant)
     return grant

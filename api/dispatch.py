@@ -7,6 +7,7 @@ Quotas, fair scheduling and audit hook in here (before `claim`), so every call p
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +16,13 @@ from flask import Response, request
 from kombu.exceptions import OperationalError
 from redis import RedisError
 
+from api import metrics
 from api.problems import PROBLEM_JSON, json_response, problem_response
 from api.runtime import Runtime, runtime
-from shared import commands, paths
-from shared.errors import IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, Unavailable
+from shared import audit, commands, paths
+from shared.errors import (IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, QuotaExceeded, RateLimited,
+                           Unavailable)
+from shared.audit import Audited
 from shared.idempotency import Admitted, Existing, fingerprint
 from shared.scheduler import hold_queue
 from shared.keys import Status
@@ -26,6 +30,7 @@ from shared.records import Ended, TaskView
 from shared.schema import ToolCall
 from shared.tokens import Grant
 
+log = logging.getLogger("runwarden.calls")
 MAX_PREFER_WAIT_S = 60
 POLL_S = 0.05
 
@@ -41,12 +46,20 @@ class Accepted:
 
     def message(self) -> dict[str, Any]:
         return {
-            "tenant": self.grant.tenant, "run_id": self.grant.run_id, "idem_key": self.key,
+            "tenant": self.grant.tenant, "run_id": self.grant.run_id, "sub": self.grant.sub, "idem_key": self.key,
             "call_id": self.call.call_id, "tool_name": self.call.tool_name,
             "parameters": self.call.parameters, "network": "shell:network" in self.grant.scopes,
             **({"allowed_paths": list(self.grant.allowed_paths)} if self.call.tool.streams else {}),
         }
 
+    def audit_subject(self) -> str:
+        """What the audit trail names of the call: its path, or its command's first characters."""
+        params = self.call.parameters
+        if "path" in params:
+            return str(params["path"])
+        if "command" in params:
+            return str(params["command"])[:audit.MAX_COMMAND]
+        return ",".join(str(patch.get("path", "")) for patch in params.get("patches", ()))[:audit.MAX_COMMAND]
 
     def summary(self) -> str:
         """What task events (Flower, `celery events`) show of the call, as Celery's argsrepr: whose
@@ -112,18 +125,30 @@ def claim(rt: Runtime, accepted: Accepted, body_202: bytes | None) -> Existing |
     same request (a key reused for another request is refused here)."""
     call, grant = accepted.call, accepted.grant
     fp = fingerprint(grant.run_id, call.tool_name, call.call_id, call.parameters)
-    found = rt.idempotency.claim(
-        tenant=grant.tenant, key=accepted.key, fp=fp, run_id=grant.run_id, call_id=call.call_id,
-        tool_name=call.tool_name, created_ms=int(time.time() * 1000), queue=call.tool.queue,
-        accepted=(202, body_202) if body_202 else None, jti=grant.jti,
-    )
+    try:
+        found = rt.idempotency.claim(
+            tenant=grant.tenant, key=accepted.key, fp=fp, run_id=grant.run_id, call_id=call.call_id,
+            tool_name=call.tool_name, created_ms=int(time.time() * 1000), queue=call.tool.queue,
+            accepted=(202, body_202) if body_202 else None, jti=grant.jti,
+            audit=Audited(grant.sub, accepted.audit_subject(), rt.settings.audit_maxlen),
+        )
+    except QuotaExceeded as exc:
+        metrics.quota_refused(exc.extra["quota"])
+        raise
+    except RateLimited:
+        metrics.quota_refused("rate_limit")
+        raise
     if isinstance(found, Admitted):
+        metrics.idempotency("claimed")
+        log.info("call accepted: %s", call.tool_name)
         _enqueue(rt, accepted, found)
         return None
     existing = found
     if existing.fingerprint != fp:
+        metrics.idempotency("reused")
         raise IdempotencyKeyReused("This Idempotency-Key was used for a different request.",
                                    task_id=existing.task_id)
+    metrics.idempotency("replayed" if existing.done and existing.code is not None else "in_use")
     return existing
 
 
@@ -170,11 +195,9 @@ def _enqueue(rt: Runtime, accepted: Accepted, admitted: Admitted) -> None:
         if not direct:
             rt.scheduler.kick(queue, tenant)
     except (OperationalError, RedisError, OSError):
-        # Nothing ran: release the claim (only if still ours) so a retry can succeed.
-        try:
-            rt.idempotency.release(accepted.grant.tenant, accepted.key)
-        except RedisError:
-            pass
+        # Nothing ran: release the claim (only if still ours) so a retry can succeed; if Redis is
+        # away, as soon as it is back.
+        rt.releases.release(accepted.grant.tenant, accepted.key)
         raise Unavailable("The broker cannot be reached; nothing was run, retry shortly.") from None
 
 

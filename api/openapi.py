@@ -113,6 +113,36 @@ def _mcp() -> dict[str, Any]:
     }}
 
 
+_AUDIT_RECORD = {"type": "object", "required": ["time", "tenant", "task_id", "tool", "outcome"],
+                 "properties": {"time": {"type": "string"}, "tenant": {"type": "string"}, "run_id": {"type": "string"},
+                                "sub": {"type": "string"}, "jti": {"type": ["string", "null"]},
+                                "task_id": {"type": "string"}, "call_id": {"type": "string"},
+                                "tool": {"type": "string"}, "path": {"type": ["string", "null"]},
+                                "command": {"type": ["string", "null"]},
+                                "idempotency_key": {"type": "string"}, "outcome": _STATUS,
+                                "exit_code": {"type": ["integer", "null"]}, "error": {"type": ["string", "null"]},
+                                "duration_ms": {"type": ["integer", "null"]},
+                                "queue_wait_ms": {"type": ["integer", "null"]}}}
+
+
+def _audit() -> dict[str, Any]:
+    return {"get": {
+        "operationId": "auditTrail", "security": [{"bearer": []}],
+        "description": "The token's tenant's audit trail (scope audit:read): one JSON object a line per ended "
+                       "call, oldest first. Each line is an audit record: " + ", ".join(_AUDIT_RECORD["properties"]),
+        "parameters": [
+            {"name": "since", "in": "query", "required": False,
+             "description": "an ISO 8601 time, or a number of seconds before now",
+             "schema": {"type": "string", "maxLength": 64}},
+            {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": 10000, "default": 1000}},
+        ],
+        "responses": {"200": {"description": "JSON lines", "content": {"application/x-ndjson": {
+                                  "schema": {"type": "string"}}}},
+                      **_problems(400, 401, 403, 503)},
+    }}
+
+
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -215,6 +245,7 @@ def document() -> dict[str, Any]:
                                                            "expires_in": {"type": "integer"}}}, "revoked"),
                               **_problems(400, 401, 403, 413, 415, 503)},
             }},
+            "/v1/audit": _audit(),
             "/v1/tools": {"get": {
                 "operationId": "listTools", "security": [],
                 "parameters": [{"name": "format", "in": "query", "required": False,

@@ -7,7 +7,8 @@ import redis
 from celery import Celery
 from flask import current_app
 
-from shared.idempotency import Idempotency
+from shared import connections
+from shared.idempotency import Idempotency, Releases
 from shared.placement import Placement
 from shared.records import Records
 from shared.revocations import Watcher
@@ -22,6 +23,7 @@ class Runtime:
     redis: redis.Redis
     celery: Celery
     idempotency: Idempotency
+    releases: Releases
     records: Records
     scheduler: Scheduler
     revocations: Watcher
@@ -31,14 +33,16 @@ class Runtime:
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
         # Each open stream holds a connection in XREAD BLOCK and each waiting POST one in BLPOP:
         # the pool must be larger than the server's thread count (redis-py's default cap is 100).
-        client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=10,
-                                      health_check_interval=30, retry_on_timeout=False, max_connections=2048)
+        client = connections.connect(settings, socket_connect_timeout=2, socket_timeout=10,
+                                     health_check_interval=30, retry_on_timeout=False, max_connections=2048)
+        idempotency = Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
+                                  Quotas.defaults(settings))
         return cls(
             settings=settings,
             redis=client,
             celery=celery,
-            idempotency=Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
-                                    Quotas.defaults(settings), settings.placement == "node"),
+            idempotency=idempotency,
+            releases=Releases(idempotency),
             records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                             lease_s=settings.lease_s),
             scheduler=Scheduler(client),

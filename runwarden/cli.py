@@ -1,5 +1,5 @@
-"""The `runwarden` command: one parser, a module per noun (`dev`, `admin` for token and tenant,
-`workspaces`, and the Python client's `call`)."""
+"""The `runwarden` command: one parser, a module per noun (`dev`, `admin` for token, tenant and
+audit, `workspaces`, and the Python client's `call`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from runwarden import admin, dev as dev_stack, workspaces
 from runwarden_client import cli as client_cli
-from shared import tokens
+from shared import audit, tokens
 from shared.tenants import Quotas
 
 
@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     workspaces.add_arguments(commands.add_parser(
         "workspace", help="create, list or delete workspaces (RUNWARDEN_URL, RUNWARDEN_TOKEN with workspaces:admin)"))
+    trail = commands.add_parser("audit", help="a tenant's audit trail as JSON lines (needs RUNWARDEN_REDIS_URL)")
+    trail.add_argument("--tenant", required=True)
+    trail.add_argument("--since", default=None, help="an ISO 8601 time, or seconds before now (86400: a day)")
+    trail.add_argument("--limit", type=int, default=audit.DEFAULT_LIMIT, metavar="N")
 
     call = commands.add_parser("call", help="make one tool call: read, patch or sh (RUNWARDEN_URL, RUNWARDEN_TOKEN)")
     client_cli.add_arguments(call)
@@ -60,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return admin.run_tenant(args)
     if args.command == "workspace":
         return workspaces.run(args)
+    if args.command == "audit":
+        return admin.run_audit(args)
     if args.token_command == "mint":
         return admin.run_mint(args)
     return admin.run_revoke(args)

@@ -57,7 +57,7 @@ def run_dev(args: argparse.Namespace) -> int:
             env["RUNWARDEN_PLACEMENT"] = "node"
             start_nodes(stack, env, args.nodes, args.concurrency)
         else:
-            devstack.start_worker(stack, env, concurrency=args.concurrency)
+            devstack.start_worker(stack, env, concurrency=args.concurrency, metrics_port=9808)
         devstack.start_api(stack, env, args.host, args.port)
         base = f"http://{args.host}:{args.port}"
         devstack.wait_for(lambda: stopping or devstack.http_ok(f"{base}/readyz"), 120, "the API", stack)

@@ -59,6 +59,15 @@ class Stack:
     """Child processes started together and stopped together."""
 
     children: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)  # part's name → its Prometheus endpoint
+    scratch: list[Path] = field(default_factory=list)  # directories removed with the stack
+
+    def metrics_dir(self, name: str) -> dict[str, str]:
+        """A fresh PROMETHEUS_MULTIPROC_DIR for one part (a gunicorn or a Celery worker, with all
+        its processes), as its container's tmpfs would be: empty at start."""
+        path = Path(tempfile.mkdtemp(prefix=f"runwarden-metrics-{name}-"))
+        self.scratch.append(path)
+        return {"PROMETHEUS_MULTIPROC_DIR": str(path)}
 
     def start(self, name: str, argv: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
         out = open(log, "ab") if log else None  # noqa: SIM115 - the child owns it until it exits
@@ -77,6 +86,9 @@ class Stack:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
         self.children.clear()
+        for path in self.scratch:
+            shutil.rmtree(path, ignore_errors=True)
+        self.scratch.clear()
 
     def died(self) -> str | None:
         for name, process in self.children:
@@ -92,9 +104,12 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
         pass
 
 
-def start_redis(stack: Stack, data_dir: Path, port: int | None = None, password: str | None = None) -> str:
+def start_redis(stack: Stack, data_dir: Path, port: int | None = None, password: str | None = None, *,
+                appendonly: bool = False) -> str:
     """An embedded redis-server on loopback with a random password: a sandbox granted
-    `shell:network` shares the host's network, and must not be able to talk to Redis."""
+    `shell:network` shares the host's network, and must not be able to talk to Redis.
+    `appendonly`: as production runs it, with an append-only file fsynced on every write, so a
+    Redis killed and started again on the same `data_dir` has every write it acknowledged."""
     port = port or free_port()
     password = password or secrets.token_hex(24)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +117,8 @@ def start_redis(stack: Stack, data_dir: Path, port: int | None = None, password:
     config.write_text(f"requirepass {password}\n")
     config.chmod(0o600)
     stack.start("redis", [find_redis_server(), str(config), "--port", str(port), "--bind", "127.0.0.1",
-                          "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
+                          "--save", "", "--dir", str(data_dir),
+                          *(["--appendonly", "yes", "--appendfsync", "always"] if appendonly else ["--appendonly", "no"])],
                 os.environ.copy(), data_dir / "redis.log")
     wait_for(lambda: _redis_answers(port, password), 20, "redis-server")
     return f"redis://:{password}@127.0.0.1:{port}/0"
@@ -124,7 +140,16 @@ def _redis_answers(port: int, password: str) -> bool:
 
 
 def start_worker(stack: Stack, env: dict[str, str], *, concurrency: int = 2, name: str = "worker",
-                 log: Path | None = None, queues: str = "runwarden.files,runwarden.shell") -> subprocess.Popen[bytes]:
+                 log: Path | None = None, queues: str = "runwarden.files,runwarden.shell",
+                 metrics_port: int | None = None) -> subprocess.Popen[bytes]:
+    """A `celery worker` with its own metrics directory, exporting on `metrics_port` (a free one
+    by default) unless `env` names a port."""
+    env = {**env, **stack.metrics_dir(name)}
+    if not env.get("RUNWARDEN_WORKER_METRICS_PORT"):
+        env["RUNWARDEN_WORKER_METRICS_PORT"] = str(metrics_port or free_port())
+        env.setdefault("RUNWARDEN_WORKER_METRICS_HOST", "127.0.0.1")
+    host = env.get("RUNWARDEN_WORKER_METRICS_HOST", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+    stack.metrics[name] = f"http://{host}:{env['RUNWARDEN_WORKER_METRICS_PORT']}/metrics"
     argv = [sys.executable, "-m", "celery", "-A", "workers.worker", "worker", "--loglevel", "INFO",
             "--concurrency", str(concurrency), "--queues", queues, "--hostname", f"{name}@%h", "--pool", "prefork",
             "--without-gossip", "--without-mingle"]
@@ -133,6 +158,8 @@ def start_worker(stack: Stack, env: dict[str, str], *, concurrency: int = 2, nam
 
 def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, threads: int = 256,
               log: Path | None = None) -> subprocess.Popen[bytes]:
+    env = {**env, **stack.metrics_dir("api")}
+    stack.metrics["api"] = f"http://{host}:{port}/metrics"
     argv = [sys.executable, "-m", "gunicorn", "--worker-class", "api.server.Worker", "--workers", "1",
             "--threads", str(threads), "--bind", f"{host}:{port}", "--timeout", "0",
             "--graceful-timeout", "5", "--keep-alive", "30", "api.app:create_app()"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from celery import Celery
 
 from shared import keys
+from shared.connections import celery_transport_options
 from shared.schema import TOOLS
 from shared.settings import Settings
 
@@ -19,7 +20,8 @@ PING_TASK = "runwarden.ping"
 
 def create_celery(settings: Settings) -> Celery:
     app = Celery("runwarden", broker=settings.redis_url, backend=settings.redis_url)
-    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    # A `sentinel://…;…` URL is read by kombu and Celery's Sentinel backend, given the master's name here.
+    transport = {"visibility_timeout": settings.visibility_timeout_s, **celery_transport_options(settings)}
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

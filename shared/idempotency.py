@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import redis
 
 from shared import keys
+from shared.audit import Audited
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, QuotaExceeded, RateLimited, Unauthorized
 from shared.schema import whole
 from shared import placement
@@ -29,6 +32,7 @@ from shared.tenants import Quotas
 from shared.tokens import REVOKED
 
 KEY_RE = re.compile(whole("[A-Za-z0-9._:-]{1,255}"))  # also the OpenAPI pattern
+log = logging.getLogger("runwarden.idempotency")
 
 
 def parse_key(values: list[str]) -> str:
@@ -87,7 +91,9 @@ end
 #       [6] the run's active set.
 # ARGV: [1] fingerprint, [2] task id, [3] ttl ms, [4] tenant, [5] run id, [6] call id, [7] tool name,
 #       [8] created ms, [9] accepted code, [10] accepted body, [11]-[16] as _ADMIT, [17] the tool's
-#       Celery queue, [18] '1' under node placement (the call goes to its run's node's queue).
+#       Celery queue; for the audit record (shared/audit.py), [18] the token's sub, [19] its jti ('' if
+#       none), [20] the path or command, [21] the tenant's audit stream ('' for none), [22] its cap,
+#       [23] the Idempotency-Key, [24] '1' under node placement (the call goes to its run's node's queue).
 # Returns {'direct', queue} (claimed; the queue has room and nobody waits: publish to it) or
 # {'hold', queue} (claimed; publish to the tenant's hold queue, then kick: shared/scheduler.py),
 # the existing record (fp, task id, state, code, body), 'revoked', 'rate_limited',
@@ -99,7 +105,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HMGET', KEYS[1], 'fp', 'task_id', 'state', 'code', 'body')
 end
 local queue = ARGV[17]
-if ARGV[18] == '1' then  -- node placement: the run's node's queue, or 503 before claiming anything
+if ARGV[24] == '1' then  -- node placement: the run's node's queue, or 503 before claiming anything
   local node, down = place(ARGV[4], ARGV[5], tonumber(ARGV[8]))
   if not node then return {'down', down or ''} end
   queue = queue .. '@' .. node
@@ -113,6 +119,10 @@ redis.call('DEL', KEYS[2], KEYS[3])  -- what a claim released after a server fai
 redis.call('HSET', KEYS[2], 'tenant', ARGV[4], 'run_id', ARGV[5], 'call_id', ARGV[6],
            'tool_name', ARGV[7], 'status', 'queued', 'created_ms', ARGV[8], 'idem', KEYS[1],
            'active', KEYS[5], 'run_active', KEYS[6])
+if ARGV[21] ~= '' then
+  redis.call('HSET', KEYS[2], 'sub', ARGV[18], 'jti', ARGV[19], 'subject', ARGV[20], 'audit', ARGV[21],
+             'audit_max', ARGV[22], 'key', ARGV[23])
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[5], ARGV[2])
 redis.call('SADD', KEYS[6], ARGV[2])
@@ -141,6 +151,10 @@ if redis.call('HGET', KEYS[1], 'task_id') == ARGV[1] and redis.call('HGET', KEYS
 end
 return 0
 """
+
+
+def _audit_args(audit: Audited, tenant: str, jti: str | None, key: str) -> tuple[str | int, ...]:
+    return audit.sub, jti or "", audit.subject, keys.audit(tenant), audit.maxlen, key
 
 
 @dataclass(frozen=True)
@@ -187,9 +201,10 @@ class Idempotency:
         queue: str,
         accepted: tuple[int, bytes] | None = None,
         jti: str | None = None,
+        audit: Audited | None = None,
     ) -> Existing | Admitted:
-        """Claim the key and create the task record atomically (`Admitted` when this request won).
-        Refuses a revoked token (by its `jti`), a tenant over its rate or its quotas, claiming nothing."""
+        """Claim the key and create the task record (with what its `audit` record says) atomically
+        (`Admitted` if this request won). Refuses a revoked `jti`, a tenant over its rate or quotas."""
         task_id = keys.task_id_for(tenant, key)
         code, body = accepted if accepted else ("", b"")
         revoked = [keys.revoked_jti(jti), keys.revoked_jti(jti, tenant)] if jti is not None else []
@@ -202,7 +217,9 @@ class Idempotency:
                   keys.tenant_quotas(tenant), *revoked],
             args=[fp, task_id, self.ttl_ms, tenant, run_id, call_id, tool_name, created_ms, code, body,
                   self.rate_limit_per_s, q.max_running, q.calls_per_minute, q.output_bytes_per_hour,
-                  60 - now_s % 60, 3600 - now_s % 3600, queue, "1" if self.node_placement else "0"],
+                  60 - now_s % 60, 3600 - now_s % 3600, queue,
+                  *(_audit_args(audit, tenant, jti, key) if audit else ("", "", "", "", 0, "")),
+                  "1" if self.node_placement else "0"],
         )
         if isinstance(found, list) and found and found[0] in (b"direct", b"hold"):
             return Admitted(direct=found[0] == b"direct", queue=found[1].decode())
@@ -234,3 +251,49 @@ class Idempotency:
     def record_response(self, tenant: str, key: str, code: int, body: bytes) -> None:
         """Keep the response the API actually sent (a `Prefer: wait` 200) as the one to replay."""
         self.client.hset(keys.idempotency(tenant, key), mapping={"code": code, "body": body})
+
+
+class Releases:
+    """Claims whose call never reached the broker, released now or as soon as Redis answers again.
+
+    When Redis goes away between a claim and its message (a restart, a failover), the release fails
+    too; left there, the claim would answer every retry with 409 until it expired, for a call that
+    will never run. So a failed release is retried by a thread of this process, every RETRY_S for
+    up to GIVE_UP_S. A release only ever undoes a claim still queued with no message: never one a
+    later request enqueued (that one answered its client, or made it wait with 409).
+    """
+
+    RETRY_S = 0.5
+    GIVE_UP_S = 600
+
+    def __init__(self, idempotency: Idempotency) -> None:
+        self.idempotency = idempotency
+        self._pending: dict[tuple[str, str], float] = {}  # (tenant, key) → when to give up
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def release(self, tenant: str, key: str) -> None:
+        try:
+            self.idempotency.release(tenant, key)
+        except redis.RedisError:
+            with self._lock:
+                self._pending[(tenant, key)] = time.monotonic() + self.GIVE_UP_S
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._retry_forever, name="runwarden-releases",
+                                                    daemon=True)
+                    self._thread.start()
+
+    def _retry_forever(self) -> None:
+        while True:
+            time.sleep(self.RETRY_S)
+            with self._lock:
+                pending = list(self._pending.items())
+            for (tenant, key), give_up in pending:
+                try:
+                    self.idempotency.release(tenant, key)
+                except redis.RedisError:
+                    if time.monotonic() < give_up:
+                        continue
+                    log.warning("gave up releasing a claim whose call never reached the broker")
+                with self._lock:
+                    self._pending.pop((tenant, key), None)

@@ -121,6 +121,12 @@ def output_bytes(tenant: str, hour: int) -> str:
     return f"{PREFIX}:obytes:{tenant}:{hour}"
 
 
+def audit(tenant: str) -> str:
+    """Stream: the tenant's audit trail, one entry per accepted call, written when it ends (the Lua
+    scripts that end calls append it); capped with XADD MAXLEN ~ RUNWARDEN_AUDIT_MAXLEN, no TTL."""
+    return f"{PREFIX}:audit:{tenant}"
+
+
 # Fair scheduling (shared/scheduler.py). A kombu queue's Redis key is its name: a tenant's hold
 # queue is `<queue>.hold.<tenant>`, a list of Celery messages no worker consumes.
 HOLD_INFIX = ".hold."

@@ -16,7 +16,8 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from shared import keys
+from shared import keys, metrics
+from shared.audit import AUDIT
 from shared.keys import Status
 from shared.scheduler import DISPATCH
 from shared.schema import TOOLS
@@ -64,7 +65,8 @@ if ARGV[5] ~= '1' then
   redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 end
 if redis.call('HGET', KEYS[1], 'cancel') then return may_run('cancel') end
-return may_run('running:' .. redis.call('HGET', KEYS[1], 'attempts'))
+local created = redis.call('HGET', KEYS[1], 'created_ms') or ''  -- for the queue wait's metric
+return may_run('running:' .. redis.call('HGET', KEYS[1], 'attempts') .. ':' .. created)
 """
 
 # KEYS: the call's signal list. ARGV: signal name, control channel, retention ms.
@@ -75,12 +77,15 @@ redis.call('PUBLISH', ARGV[2], cjson.encode({signal = ARGV[1], n = n}))
 return n
 """
 
-# Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
-_END = DISPATCH + """
+# Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`,
+# and for the audit record the exit code and error code ('' for none). Returns what the metrics of a
+# call's end need: {tool name, created ms}.
+_END = DISPATCH + AUDIT + """
 local function finish(task_key, lease_key, running_key, log_key, done_key, task_id, new_status, result,
-                      now_ms, ttl_ms, code, body, exit_event, retention_ms)
+                      now_ms, ttl_ms, code, body, exit_event, retention_ms, exit_code, error_code)
   local idem = redis.call('HGET', task_key, 'idem')
   redis.call('HSET', task_key, 'status', new_status, 'result', result, 'finished_ms', now_ms)
+  audit(task_key, task_id, new_status, now_ms, exit_code, error_code)
   for _, set in ipairs(redis.call('HMGET', task_key, 'active', 'run_active')) do
     if set then redis.call('SREM', set, task_id) end  -- the tenant's and run's slots come back
   end
@@ -109,7 +114,7 @@ local function finish(task_key, lease_key, running_key, log_key, done_key, task_
     redis.call('XADD', log_key, seq .. '-1', 'e', event)
     redis.call('PEXPIRE', log_key, retention_ms)
   end
-  return 1
+  return redis.call('HMGET', task_key, 'tool_name', 'created_ms')
 end
 local function terminal(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled' or status == 'lost'
@@ -117,13 +122,13 @@ end
 """
 
 # KEYS: task, lease, running set, log, done, and optionally a lock the task owns (a patched file's).
-# ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
+# ARGV: task id, status, result, now, ttl, code, body, exit event, retention, exit code, error code.
 _FINISH = _END + """
 if KEYS[6] and redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('DEL', KEYS[6]) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or terminal(status) then return 0 end
 return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
-              ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+              ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11])
 """
 
 # KEYS: task, lease, running set, log, done.
@@ -133,9 +138,9 @@ _CANCEL = _END + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'queued' then
-  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2], ARGV[3], ARGV[4], ARGV[7],
-         ARGV[8], ARGV[5], ARGV[6])
-  return 'cancelled'
+  local ended = finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2], ARGV[3],
+                       ARGV[4], ARGV[7], ARGV[8], ARGV[5], ARGV[6], '', 'cancelled')
+  return {'cancelled', ended[1], ended[2]}
 end
 if status == 'running' then redis.call('HSET', KEYS[1], 'cancel', '1') end
 return status
@@ -145,7 +150,7 @@ return status
 _REAP = _END + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'lost', ARGV[2], ARGV[3], ARGV[4], '', '',
-              ARGV[5], ARGV[6])
+              ARGV[5], ARGV[6], '', 'worker_lost')
 """
 
 
@@ -180,6 +185,16 @@ def overlapped(client: redis.Redis, command: tuple[Any, ...], meanwhile: Callabl
 
 
 _NO_REPLY = object()
+
+
+def _counted(reply: Any, outcome: str, ended_ms: int) -> bool:
+    """Whether a script ended the call (its reply is then [tool name, created ms]); if it did, the
+    end is counted in this process's metrics, once."""
+    if not isinstance(reply, list):
+        return False
+    tool, created = (part.decode() if part else "" for part in reply[:2])
+    metrics.call_ended(tool, outcome, int(created) if created.isdigit() else None, ended_ms)
+    return True
 
 
 def now_ms() -> int:
@@ -248,6 +263,15 @@ class Started:
     attempts: int = 0
     intent: bytes | None = None
     signals: tuple[str, ...] = ()  # a shell call's: the signals clients sent before it started
+    started_ms: int = 0
+    created_ms: int | None = None  # when the call was accepted (running only)
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """From the call's acceptance to this start (the first delivery's), if it started."""
+        if self.status != "running" or self.attempts != 1 or self.created_ms is None:
+            return None
+        return max(0, self.started_ms - self.created_ms) / 1000
 
 
 class Records:
@@ -291,18 +315,22 @@ class Records:
         else:  # a shell call, with the signals sent before it started
             extra = [keys.signals(task_id)]
         script_keys = self._keys(task_id)[:3] + extra
-        args = [worker, now_ms(), self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS, proposed,
+        started_ms = now_ms()
+        args = [worker, started_ms, self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS, proposed,
                 self.ttl_ms]
         if meanwhile is None:
             reply = self._start(keys=script_keys, args=args)
         else:
             reply = overlapped(self.client, ("EVALSHA", self._start.sha, len(script_keys), *script_keys, *args),  # type: ignore[attr-defined]
                                meanwhile, lambda: self._start(keys=script_keys, args=args))
-        status, _, attempts = reply[0].decode().partition(":")
+        status, _, rest = reply[0].decode().partition(":")
+        attempts, _, created = rest.partition(":")
         found = reply[1] if len(reply) > 1 else None
+        created_ms = int(created) if created.isdigit() else None
         if reentrant:
-            return Started(status, int(attempts or 0), intent=found)
-        return Started(status, int(attempts or 0), signals=tuple(name.decode() for name in found or ()))
+            return Started(status, int(attempts or 0), intent=found, started_ms=started_ms, created_ms=created_ms)
+        return Started(status, int(attempts or 0), signals=tuple(name.decode() for name in found or ()),
+                       started_ms=started_ms, created_ms=created_ms)
 
     def send_signal(self, task_id: str, name: str) -> None:
         """Keep the signal for a worker not yet listening, and tell one that is (with the signal's
@@ -322,14 +350,18 @@ class Records:
         exit_json: str = "",
         release: str | None = None,
     ) -> bool:
-        """Record the terminal status (first one wins), complete the idempotency record, and free
-        the lock `release` names if this task holds it."""
+        """Record the terminal status (first one wins), complete the idempotency record, append the
+        audit record, and free the lock `release` names if this task holds it."""
         code, body = response if response else ("", b"")
-        return bool(self._finish(
+        exit_code = result.get("exit_code") if isinstance(result, dict) else None
+        error_code = result.get("code") if isinstance(result, dict) and status is not Status.COMPLETED else None
+        ended_ms = now_ms()
+        reply = self._finish(
             keys=self._keys(task_id) + ([release] if release else []),
-            args=[task_id, status.value, json.dumps(result), now_ms(), self.ttl_ms, code, body, exit_json,
-                  self.retention_ms],
-        ))
+            args=[task_id, status.value, json.dumps(result), ended_ms, self.ttl_ms, code, body, exit_json,
+                  self.retention_ms, "" if exit_code is None else int(exit_code), error_code or ""],
+        )
+        return _counted(reply, status.value, ended_ms)
 
     def cancel(self, view: TaskView) -> str:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
@@ -339,11 +371,15 @@ class Records:
         exit_json = exit_event(Status.CANCELLED) if shell else ""
         body = "" if shell else json.dumps({**view.public(), "status": Status.CANCELLED.value, "result": result},
                                            ensure_ascii=False, separators=(",", ":"))
+        ended_ms = now_ms()
         found = self._cancel(
             keys=self._keys(view.task_id),
-            args=[view.task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms,
+            args=[view.task_id, json.dumps(result), ended_ms, self.ttl_ms, exit_json, self.retention_ms,
                   "" if shell else 200, body],
         )
+        if isinstance(found, list):  # this cancel ended the queued call
+            _counted(found[1:], Status.CANCELLED.value, ended_ms)
+            return Status.CANCELLED.value
         return found.decode()
 
     def reap(self, task_id: str) -> bool:
@@ -351,10 +387,12 @@ class Records:
         only shell calls hold leases."""
         result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run."}
         exit_json = exit_event(Status.LOST)
-        return bool(self._reap(
+        ended_ms = now_ms()
+        reply = self._reap(
             keys=self._keys(task_id),
-            args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],
-        ))
+            args=[task_id, json.dumps(result), ended_ms, self.ttl_ms, exit_json, self.retention_ms],
+        )
+        return _counted(reply, Status.LOST.value, ended_ms)
 
     def response(self, task_id: str) -> tuple[int, bytes] | None:
         """The HTTP response a worker recorded for the call (file tools), if it has ended."""

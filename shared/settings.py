@@ -13,6 +13,8 @@ from pathlib import Path
 from shared.paths import NAME_RE
 from urllib.parse import urlsplit
 
+from shared.connections import parse_sentinels
+
 log = logging.getLogger("runwarden.settings")
 
 MIN_HS256_SECRET_BYTES = 32
@@ -79,6 +81,14 @@ class Settings:
     upload_timeout_s: int  # the same for a workspace upload or clone, and to answer it
     workspace_max_files: int  # entries of one workspace an upload or clone may hold
     workspace_idle_ttl_s: int  # a workspace unused this long is deleted
+    # Operations (contract section 12; README, "Operate"):
+    redis_sentinel_master: str = "mymaster"  # the master's name, when redis_url lists Sentinels
+    redis_sentinel_password: str | None = field(default=None, repr=False)  # the Sentinels' own, if any
+    metrics_dir: Path | None = None  # PROMETHEUS_MULTIPROC_DIR: each process's metrics, summed per scrape
+    worker_metrics_port: int = 9808  # a worker's /metrics; 0: none
+    worker_metrics_host: str = "0.0.0.0"
+    audit_maxlen: int = 100_000  # audit records kept per tenant (about: XADD MAXLEN ~)
+    log_format: str = "text"  # or "json": one object a line
     test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
 
     @classmethod
@@ -92,6 +102,10 @@ class Settings:
         sandbox = env.get("RUNWARDEN_SANDBOX", "bwrap")
         if sandbox not in ("bwrap", "none"):
             raise SettingsError(f"RUNWARDEN_SANDBOX must be 'bwrap' or 'none', got {sandbox!r}")
+        log_format = env.get("RUNWARDEN_LOG_FORMAT", "") or "text"
+        if log_format not in ("text", "json"):
+            raise SettingsError(f"RUNWARDEN_LOG_FORMAT must be 'text' or 'json', got {log_format!r}")
+        _check_redis_url(redis_url)
         return cls(
             redis_url=redis_url,
             jwt_secret=secret,
@@ -133,6 +147,14 @@ class Settings:
             upload_timeout_s=_int(env, "RUNWARDEN_UPLOAD_TIMEOUT", 600, 10),
             workspace_max_files=_int(env, "RUNWARDEN_WORKSPACE_MAX_FILES", 100_000, 1),
             workspace_idle_ttl_s=_int(env, "RUNWARDEN_WORKSPACE_IDLE_TTL", 7 * 86400, 60),
+            redis_sentinel_master=env.get("RUNWARDEN_REDIS_SENTINEL_MASTER", "") or "mymaster",
+            redis_sentinel_password=env.get("RUNWARDEN_REDIS_SENTINEL_PASSWORD") or None,
+            # prometheus-client's own variable (it reads it too, to choose its multiprocess mode).
+            metrics_dir=Path(env["PROMETHEUS_MULTIPROC_DIR"]) if env.get("PROMETHEUS_MULTIPROC_DIR") else None,
+            worker_metrics_port=_int(env, "RUNWARDEN_WORKER_METRICS_PORT", 9808, 0),
+            worker_metrics_host=env.get("RUNWARDEN_WORKER_METRICS_HOST", "") or "0.0.0.0",
+            audit_maxlen=_int(env, "RUNWARDEN_AUDIT_MAXLEN", 100_000, 1),
+            log_format=log_format,
             test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 
@@ -154,6 +176,14 @@ def _node(env: dict[str, str]) -> str | None:
     if node is not None and not NAME_RE.fullmatch(node):
         raise SettingsError(f"RUNWARDEN_NODE must match {NAME_RE.pattern}, got {node!r}")
     return node
+
+
+def _check_redis_url(url: str) -> None:
+    """A Sentinel list must name its Sentinels; its text is not echoed (it may hold a password)."""
+    try:
+        parse_sentinels(url)
+    except ValueError as exc:
+        raise SettingsError(f"RUNWARDEN_REDIS_URL: {exc}") from None
 
 
 def _public_url(raw: str) -> str:

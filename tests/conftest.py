@@ -21,7 +21,8 @@ import requests
 
 from runwarden import devstack
 from runwarden.dev import start_nodes
-from shared import tokens
+from shared import connections, tokens
+from shared.settings import Settings
 
 
 @dataclass
@@ -83,7 +84,7 @@ def start_stack(tmp: Path, *, workers: int = 1, concurrency: int = 2, redis_url:
         stack.stop()
         raise
     return StackInfo(base, redis_url, secret, env, Path(env["RUNWARDEN_WORKSPACES"]), logs, stack,
-                     redis.Redis.from_url(redis_url))
+                     connections.connect(Settings.from_env(env, require_jwt=False)))  # a Sentinel URL too
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ TOOL_PARAMETERS = {
 ROUTES = {
     ("/v1/tool-calls", "post"), ("/v1/tool-calls/{task_id}", "get"), ("/v1/tool-calls/{task_id}", "delete"),
     ("/v1/tools", "get"), ("/healthz", "get"), ("/readyz", "get"), ("/metrics", "get"),
+    ("/v1/audit", "get"),  # section 12
 }
 # Section 11: workspaces.
 ROUTES |= {("/v1/workspaces", "get"), ("/v1/workspaces/{run_id}", "put"), ("/v1/workspaces/{run_id}", "delete")}

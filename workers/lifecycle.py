@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from contextlib import suppress
@@ -10,16 +11,19 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import (celeryd_after_setup, worker_init, worker_process_shutdown, worker_ready, worker_shutdown,
-                            worker_shutting_down)
+from celery.signals import (celeryd_after_setup, setup_logging, task_postrun, task_prerun, worker_init,
+                            worker_process_shutdown, worker_ready, worker_shutdown, worker_shutting_down)
+from prometheus_client import multiprocess
 
+from shared import connections, logs
+from shared import metrics as shared_metrics
 from shared.errors import SandboxUnavailable
 from shared import keys
 from shared.placement import Placement, node_queue
 from shared.records import Records
 from shared.scheduler import Scheduler
 from shared.settings import Settings
-from workers import sandbox
+from workers import metrics, sandbox
 from workers.tasks import WORKER_NAME, reap_lost_calls
 from workers.workspaces import sweep_forever
 
@@ -30,10 +34,14 @@ HEARTBEAT_S = 2.0  # a worker missing three beats no longer counts in its queues
 def connect_worker_signals(app: Celery) -> None:
     settings = app.runwarden_settings  # type: ignore[attr-defined]
     stop = threading.Event()
+    if settings.log_format == "json":
+        connect_json_logs(settings)
 
     @worker_init.connect(weak=False)
     def test_sandbox(**_: object) -> None:
         """Fail closed: a worker whose sandbox cannot start refuses shell calls with the reason."""
+        # A worker starts with clean metrics: what the processes of an earlier run counted goes.
+        shared_metrics.forget_dead_processes(settings.metrics_dir, counters_too=True)
         app.runwarden_runner, app.runwarden_sandbox_error = None, None  # type: ignore[attr-defined]
         try:
             runner = sandbox.build_runner(settings)
@@ -42,9 +50,11 @@ def connect_worker_signals(app: Celery) -> None:
             finally:
                 _release_cgroup(runner)  # the self-test's, made in this main process, which runs no call
         except SandboxUnavailable as exc:
+            metrics.sandbox_failed()
             app.runwarden_sandbox_error = exc.detail  # type: ignore[attr-defined]
             return
         except Exception as exc:  # whatever broke, shell calls are refused, never run unconfined
+            metrics.sandbox_failed()
             app.runwarden_sandbox_error = f"sandbox setup failed: {type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
             return
         app.runwarden_runner = runner  # type: ignore[attr-defined]
@@ -57,6 +67,7 @@ def connect_worker_signals(app: Celery) -> None:
         else:
             log.info("sandbox self-test passed (%s)", app.runwarden_runner.name)  # type: ignore[attr-defined]
         threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
+        metrics.start_exporter(settings)
         pool = Pool(sender.hostname, [queue.name for queue in sender.task_consumer.queues],
                     sender.controller.concurrency)
         app.runwarden_pool = pool  # type: ignore[attr-defined]
@@ -80,7 +91,7 @@ def connect_worker_signals(app: Celery) -> None:
         stop.set()
         pool = getattr(app, "runwarden_pool", None)
         with suppress(redis.RedisError):
-            client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+            client = connections.connect(settings, socket_timeout=5)
             if pool is not None:
                 for queue in pool.queues:
                     Scheduler(client).leave(queue, pool.name)
@@ -101,6 +112,25 @@ def connect_worker_signals(app: Celery) -> None:
         """A pool process that ends (replaced, or its worker stopping) takes its cgroup with it;
         one killed outright leaves it to the next worker start's sweep."""
         _release_cgroup(getattr(app, "runwarden_runner", None))
+        if settings.metrics_dir is not None:  # its live gauges go with it (its counters stay counted)
+            multiprocess.mark_process_dead(os.getpid(), str(settings.metrics_dir))
+
+
+def connect_json_logs(settings: Settings) -> None:
+    """RUNWARDEN_LOG_FORMAT=json: Celery leaves logging to this receiver (it configures nothing
+    itself then), and each task's lines carry its call's fields (shared/logs.py)."""
+
+    @setup_logging.connect(weak=False)
+    def json_lines(loglevel: Any = None, **_: object) -> None:
+        logs.configure(settings, loglevel or logging.INFO)
+
+    @task_prerun.connect(weak=False)
+    def bind_call(task_id: str | None = None, args: Any = None, **_: object) -> None:
+        logs.reset(**logs.task_fields(args[0] if args else None, task_id))
+
+    @task_postrun.connect(weak=False)
+    def unbind_call(**_: object) -> None:
+        logs.reset()
 
 
 def _release_cgroup(runner: object) -> None:
@@ -121,7 +151,7 @@ class Pool:
 def _heartbeat_forever(settings: Settings, pool: Pool, stop: threading.Event) -> None:
     """Say every HEARTBEAT_S that this pool serves its queues (their capacity); each beat also lets
     the scheduler repair what a crash left (shared/scheduler.py, `heal`)."""
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+    client = connections.connect(settings, socket_timeout=10)
     scheduler, placement = Scheduler(client), Placement(client)
     while True:
         try:
@@ -136,7 +166,7 @@ def _heartbeat_forever(settings: Settings, pool: Pool, stop: threading.Event) ->
 
 
 def _reap_forever(settings, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connections.connect(settings, socket_timeout=10)
     records = Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                       lease_s=settings.lease_s)
     while not stop.wait(settings.lease_s / 2):

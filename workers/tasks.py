@@ -19,12 +19,12 @@ from typing import Any, Callable
 import redis
 from celery import Task, shared_task
 
-from shared import keys, paths
+from shared import connections, keys, paths
 from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
 from shared.keys import Status
 from shared.records import Records, exit_event
 from shared.settings import Settings
-from workers import workspace
+from workers import metrics, workspace
 from workers.files import PatchApplier, Prepared, read_file as read_file_tool
 from workers.holds import Holds
 from workers.sandbox import Runner
@@ -44,8 +44,9 @@ class WorkerContext:
         self.pid = os.getpid()
         self.settings = settings
         # Named, so an operator's CLIENT LIST tells a pool process's connections from Celery's own.
-        self.redis = redis.Redis.from_url(settings.redis_url, health_check_interval=30,
-                                          client_name=f"runwarden-pool-{self.pid}")
+        # socket_timeout: above the longest blocking read here (the control channel's polls are short).
+        self.redis = connections.connect(settings, health_check_interval=30, socket_timeout=30,
+                                         client_name=f"runwarden-pool-{self.pid}")
         self.records = Records(self.redis, ttl_s=settings.idempotency_ttl_s,
                                retention_s=settings.stream_retention_s, lease_s=settings.lease_s)
         self.patches = PatchApplier(self.redis, settings.idempotency_ttl_s, settings.workspaces)
@@ -90,6 +91,7 @@ class RunwardenTask(Task):
         if started.status not in ("running", "cancel"):
             log.info("file call %s not run again: it is %s", task_id, started.status)
             return {"status": started.status}
+        metrics.call_started(call["tool_name"], started.queue_wait_s)
         if started.attempts > MAX_FILE_ATTEMPTS:
             error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
             return self._record_error(call, error, lock)
@@ -190,8 +192,10 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         if started.status != "running":
             log.info("shell call %s not started: it is %s", task_id, started.status)
             return None
+        metrics.call_started(call["tool_name"], started.queue_wait_s)
         status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        metrics.output_relayed(result)
         count_output(ctx.redis, call["tenant"], result)
         return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
     finally:
@@ -243,6 +247,8 @@ def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: 
         outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, sent, view)
         return outcome.status, outcome.result, outcome.exit_event
     except RunwardenError as exc:
+        if isinstance(exc, SandboxUnavailable):
+            metrics.sandbox_failed()
         result = {"code": exc.code, "message": exc.detail}
         return Status.FAILED, result, exit_event(Status.FAILED, error=exc.code)
     except Exception as exc:  # Redis, the OS or a bug: the call ends as failed, never silently lost

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import redis
 
-from shared import keys
+from shared import connections, keys
 from shared.errors import (BadRequest, NotFound, RequestTimeout, RunwardenError, SandboxUnavailable, Unavailable,
                            WorkspaceBusy, WorkspaceExists)
 from shared.paths import NAME_RE
@@ -368,7 +368,7 @@ def _names(directory: Path) -> list[str]:
 def sweep_forever(settings: Settings, name: str, stop: Any) -> None:
     """The main process's sweeping thread: leftovers at start (a dead worker's), then a pass every
     SWEEP_EVERY_S."""
-    sweeper = Sweeper(settings, redis.Redis.from_url(settings.redis_url, socket_timeout=30), name)
+    sweeper = Sweeper(settings, connections.connect(settings, socket_timeout=30), name)
     work: Callable[[], object] = sweeper.leftovers
     while True:
         try:

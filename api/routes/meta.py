@@ -63,4 +63,4 @@ def openapi_document() -> Response:
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    return exposition()
+    return exposition(runtime().settings)

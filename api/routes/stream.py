@@ -19,6 +19,7 @@ from flask_sock import ConnectionClosed, Sock
 from redis import RedisError
 from wsproto.events import TextMessage
 
+from api import metrics
 from api.auth import authenticate, refuse_foreign_origin
 from api.follow import Follower
 from api.runtime import runtime
@@ -66,7 +67,8 @@ def _after_seq() -> int:
 def stream(ws, task_id: str) -> None:  # type: ignore[no-untyped-def]
     """After the upgrade no HTTP error can be sent: a failure closes the socket with 1011."""
     try:
-        _follow(ws, task_id)
+        with metrics.stream_open():
+            _follow(ws, task_id)
     except ConnectionClosed:
         pass
     except Exception as exc:  # Redis went away, or a bug: the client resumes later with after_seq

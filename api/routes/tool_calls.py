@@ -10,7 +10,7 @@ from api import dispatch
 from api.auth import authenticate, refuse_if_revoked
 from api.problems import json_response
 from api.runtime import Runtime, runtime
-from shared import keys
+from shared import keys, logs
 from shared.errors import NotFound, RunwardenError, SchemaInvalid, UnsupportedMediaType
 from shared.idempotency import parse_key
 from shared.records import TaskView
@@ -57,6 +57,7 @@ def create() -> Response:
     try:
         key = parse_key(request.headers.getlist("Idempotency-Key"))
         g.call_context = {**getattr(g, "call_context", {}), "task_id": keys.task_id_for(grant.tenant, key)}
+        logs.bind(task_id=g.call_context["task_id"], call_id=g.call_context.get("call_id"))
         call = dispatch.authorize(parse_tool_call(_body()), grant)
     except RunwardenError:
         refuse_if_revoked(grant)  # a revoked token is told so first, whatever else is wrong
