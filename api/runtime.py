@@ -36,7 +36,7 @@ class Runtime:
         client = connections.connect(settings, socket_connect_timeout=2, socket_timeout=10,
                                      health_check_interval=30, retry_on_timeout=False, max_connections=2048)
         idempotency = Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
-                                  Quotas.defaults(settings))
+                                  Quotas.defaults(settings), settings.placement == "node")
         return cls(
             settings=settings,
             redis=client,
