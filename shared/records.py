@@ -17,6 +17,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from shared import keys
+from shared.endings import ShellEnd, Termination
 from shared.keys import Status
 from shared.schema import TOOLS
 
@@ -184,18 +185,6 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def exit_event(status: Status, **fields: Any) -> str:
-    """A call's exit event; `seq` is assigned when it is logged. Fields a call that never ran (or
-    whose worker died) cannot know stay null."""
-    event = {
-        "type": "exit", "seq": 0, "status": status.value, "exit_code": None, "signal": None,
-        "timed_out": False, "duration_ms": None, "stdout_bytes": None, "stderr_bytes": None,
-        "stdout_sha256": None, "stderr_sha256": None, "truncated": False,
-    }
-    event.update(fields)
-    return json.dumps(event, separators=(",", ":"))
-
-
 @dataclass(frozen=True)
 class TaskView:
     task_id: str
@@ -332,9 +321,11 @@ class Records:
     def cancel(self, view: TaskView) -> str:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
         replays the cancelled record), or flag a running one; returns the status found."""
-        result = {"code": "cancelled", "message": "Cancelled before it started."}
         shell = TOOLS[view.tool_name].streams
-        exit_json = exit_event(Status.CANCELLED) if shell else ""
+        end = ShellEnd(Termination.CANCELLED)
+        result = {"code": "cancelled", "message": "Cancelled before it started.",
+                  **(end.never_ran_fields() if shell else {})}
+        exit_json = end.exit_event(Status.CANCELLED) if shell else ""
         body = "" if shell else json.dumps({**view.public(), "status": Status.CANCELLED.value, "result": result},
                                            ensure_ascii=False, separators=(",", ":"))
         found = self._cancel(
@@ -347,8 +338,10 @@ class Records:
     def reap(self, task_id: str) -> bool:
         """A running shell call whose worker stopped renewing its lease becomes `lost` (never re-run);
         only shell calls hold leases."""
-        result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run."}
-        exit_json = exit_event(Status.LOST)
+        end = ShellEnd(Termination.LOST)
+        result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run.",
+                  **end.never_ran_fields()}
+        exit_json = end.exit_event(Status.LOST)
         return bool(self._reap(
             keys=self._keys(task_id),
             args=[task_id, json.dumps(result), now_ms(), self.ttl_ms, exit_json, self.retention_ms],

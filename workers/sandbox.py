@@ -106,6 +106,16 @@ class Process:
         except OSError:
             return True  # the init is gone, or this kernel has no such file: send, as before
 
+    def ended_by_signal(self) -> bool:
+        """Whether the command (once waited for) died of a signal rather than by exiting. Unsandboxed,
+        the wait status says so. bubblewrap reports a command's death by signal N as its own exit
+        with 128 + N, as shells do, so for a sandbox only that code is left to go by: a command
+        that itself runs `exit 137` cannot be told from one killed by SIGKILL."""
+        code = self.popen.returncode
+        if not self.sandbox_init:
+            return code < 0
+        return 128 < code < 128 + signal.NSIG
+
     def signal(self, signum: int) -> None:
         """Deliver to the command's process group (the sandbox init ignores what it has no use for)."""
         try:

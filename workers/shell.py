@@ -18,7 +18,7 @@ import redis
 from shared import keys
 from shared.keys import Status
 from shared.paths import WHOLE_WORKSPACE, ShellView
-from shared.records import exit_event
+from shared.endings import ShellEnd, decide
 from shared.schema import SIGNALS
 from shared.settings import Settings
 from workers.relay import Publisher, StreamCopy
@@ -264,19 +264,21 @@ class ShellCall:
 
     def _outcome(self, run: _Run, started: float) -> Outcome:
         exit_code = run.process.popen.returncode
+        died_of_signal = run.process.ended_by_signal()
         if exit_code < 0:  # the unsandboxed runner reports a signal as a negative code
             exit_code = 128 - exit_code
-        duration_ms = int((time.monotonic() - started) * 1000)
         stdout, stderr = run.streams.values()
-        summary = {
-            "exit_code": exit_code, "signal": signal_name(exit_code), "timed_out": run.timed_out,
-            "duration_ms": duration_ms, "stdout_bytes": stdout.size, "stderr_bytes": stderr.size,
-            "stdout_sha256": stdout.sha.hexdigest(), "stderr_sha256": stderr.sha.hexdigest(),
-            "truncated": run.truncated,
-        }
+        termination = decide(cancelled=run.cancelled, timed_out=run.timed_out, capped=run.truncated,
+                             oom_kills=0, died_of_signal=died_of_signal)
+        end = ShellEnd(
+            termination, exit_code=exit_code, signal=signal_name(exit_code), timed_out=run.timed_out,
+            duration_ms=int((time.monotonic() - started) * 1000), stdout_bytes=stdout.size,
+            stderr_bytes=stderr.size, stdout_sha256=stdout.sha.hexdigest(), stderr_sha256=stderr.sha.hexdigest(),
+            truncated=run.truncated,
+        )
         status = Status.CANCELLED if run.cancelled else Status.COMPLETED
-        result = {**summary, **stdout.result_fields(), **stderr.result_fields()}
-        return Outcome(status, result, exit_event(status, **summary))
+        result = {**end.fields(), **stdout.result_fields(), **stderr.result_fields()}
+        return Outcome(status, result, end.exit_event(status))
 
 
 def _grow_pipe(fd: int) -> None:

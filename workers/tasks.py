@@ -22,7 +22,8 @@ from celery import Task, shared_task
 from shared import keys, paths
 from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
 from shared.keys import Status
-from shared.records import Records, exit_event
+from shared.endings import NOT_RUN
+from shared.records import Records
 from shared.settings import Settings
 from workers import workspace
 from workers.files import PatchApplier, Prepared, read_file as read_file_tool
@@ -183,7 +184,8 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         # The message is already acked: end the call, or it would stay queued with no exit event.
         log.exception("shell call %s could not subscribe to its control channel", task_id)
         result = {"code": "unavailable", "message": "The call could not run: ConnectionError."}
-        ctx.records.finish(task_id, Status.FAILED, result, exit_json=exit_event(Status.FAILED, error="unavailable"))
+        ctx.records.finish(task_id, Status.FAILED, result,
+                           exit_json=NOT_RUN.exit_event(Status.FAILED, error="unavailable"))
         return None
     try:
         started = ctx.records.start(task_id, ctx.name)
@@ -244,11 +246,11 @@ def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: 
         return outcome.status, outcome.result, outcome.exit_event
     except RunwardenError as exc:
         result = {"code": exc.code, "message": exc.detail}
-        return Status.FAILED, result, exit_event(Status.FAILED, error=exc.code)
+        return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error=exc.code)
     except Exception as exc:  # Redis, the OS or a bug: the call ends as failed, never silently lost
         log.exception("shell call %s could not run", task_id)
         result = {"code": "unavailable", "message": f"The call could not run: {type(exc).__name__}."}
-        return Status.FAILED, result, exit_event(Status.FAILED, error="unavailable")
+        return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error="unavailable")
 
 
 def reap_lost_calls(records: Records, lease_s: int) -> int:
