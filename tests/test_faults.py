@@ -310,13 +310,15 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     events = head.events + rest.events
     exits = [e for e in events if e["type"] == "exit"]
     assert len(exits) == 1 and events[-1] is exits[0], events
-    assert exits[0]["status"] == "lost"
+    assert exits[0]["status"] == "lost" and exits[0]["termination"] == "lost"
+    assert exits[0]["exit_code"] is None and exits[0]["peak_memory_bytes"] is None  # nothing known, nothing made up
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert rest.close_code == 1000
 
     final = terminal(agent, task_id, 60)
     lost_s = time.monotonic() - killed_at
     assert final["status"] == "lost" and final["result"]["code"] == "worker_lost"
+    assert final["result"]["termination"] == "lost"
 
     # A replacement child appears; neither it nor the other worker runs the command again: the
     # broker holds no message of the call that it could deliver (acked on receipt).

@@ -195,6 +195,8 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
         count_output(ctx.redis, call["tenant"], result)
+        if ctx.runner is not None:
+            ctx.runner.after_call()
         return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
     finally:
         with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
