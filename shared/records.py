@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +75,47 @@ redis.call('PUBLISH', ARGV[2], cjson.encode({signal = ARGV[1], n = n}))
 return n
 """
 
+# A patch set's commit (workers/patch_sets.py). KEYS: the set's intent, its lease, then its locks.
+# ARGV: owner (task id), intent, intent ttl ms, actor, lease ms. Only while every lock is still the
+# set's: the locks last as long as the intent (until the set is finished, no other writer gets in),
+# the intent is recorded, and the actor that will do the renames takes the lease.
+COMMIT_SET = """
+for i = 3, #KEYS do
+  if redis.call('GET', KEYS[i]) ~= ARGV[1] then return 0 end
+end
+for i = 3, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
+return 1
+"""
+
+# KEYS: a set's lease. ARGV: actor, lease ms. Renewed only by the actor holding it: 1, else 0.
+RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: a set's intent, its lease. ARGV: actor, lease ms. A committed set whose actor stopped
+# renewing its lease is taken over (by its redelivered task, or a worker waiting for its locks).
+TAKE_OVER_SET = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# KEYS: locks. ARGV: owner, ttl ms. Those still the owner's last another ttl; returns how many.
+RENEW_LOCKS = """
+local mine = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    mine = mine + 1
+  end
+end
+return mine
+"""
+
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`.
 _END = """
 local function finish(task_key, lease_key, running_key, log_key, done_key, task_id, new_status, result,
@@ -115,10 +156,12 @@ local function terminal(status)
 end
 """
 
-# KEYS: task, lease, running set, log, done, and optionally a lock the task owns (a patched file's).
+# KEYS: task, lease, running set, log, done, then the locks the task may own (its patched files').
 # ARGV: task id, status, result, now, ttl, code, body, exit event, retention.
 _FINISH = _END + """
-if KEYS[6] and redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('DEL', KEYS[6]) end
+for i = 6, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
+end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or terminal(status) then return 0 end
 return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
@@ -307,13 +350,14 @@ class Records:
         *,
         response: tuple[int, bytes] | None = None,
         exit_json: str = "",
-        release: str | None = None,
+        release: str | Sequence[str] | None = None,
     ) -> bool:
         """Record the terminal status (first one wins), complete the idempotency record, and free
-        the lock `release` names if this task holds it."""
+        the locks `release` names that this task holds (a patch's file, a patch set's files)."""
         code, body = response if response else ("", b"")
+        locks = [release] if isinstance(release, str) else list(release or ())
         return bool(self._finish(
-            keys=self._keys(task_id) + ([release] if release else []),
+            keys=self._keys(task_id) + locks,
             args=[task_id, status.value, json.dumps(result), now_ms(), self.ttl_ms, code, body, exit_json,
                   self.retention_ms],
         ))

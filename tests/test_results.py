@@ -249,3 +249,21 @@ def test_a_renewed_pool_group_is_still_its_live_process_s() -> None:
     from workers.cgroups import _owner_alive, group_name
     assert _owner_alive(group_name(os.getpid(), 3)) and group_name(os.getpid(), 3).endswith(".3")
     assert not _owner_alive(f"pool-{os.getpid()}-1.3")  # the same pid, started at another time
+
+
+def test_the_model_reads_why_its_command_died(small_agent: Agent) -> None:
+    """The model-native status line names the termination and the usage (section 8's status line)."""
+    from tests.test_model_native import post, results, texts, tool_use
+    hog = tool_use("execute_shell_command", {"command": "python3 -c 'a = bytearray(200 << 20)'"})
+    quiet = tool_use("execute_shell_command", {"command": "echo fine"})
+    killed, fine = results(post(small_agent, "/v1/tool-use", [hog, quiet]))
+    status, quiet_status = texts(killed)[-1], texts(fine)[-1]
+    assert fine["is_error"] is False and quiet_status.startswith("exit code 0")
+    figures = measured(small_agent.stack)
+    if "oom_kills" in figures:
+        assert killed["is_error"] is True and "exit code 137; killed: out of memory" in status, status
+        assert ("(peak " in status) == ("peak_memory_bytes" in figures)
+    else:
+        assert "exit code 1" in status and killed["is_error"] is True
+    assert ("cpu time" in quiet_status) == ("cpu_time_ms" in figures), quiet_status
+    assert ("peak memory" in quiet_status) == ("peak_memory_bytes" in figures), quiet_status

@@ -27,6 +27,7 @@ from workers.patching import ZERO_SHA, git_blob_sha
 
 log = logging.getLogger("runwarden.files")
 LOCK_WAIT_S = 30
+STUCK_LOOK_S = 0.25  # how often a patch waiting for a lock looks at who holds it
 
 # KEYS: lock, the task's patch intent. ARGV: owner (task id), ttl ms. The task's finish script
 # releases the lock (records.py).
@@ -149,6 +150,8 @@ class PatchApplier:
         # close of a file is what frees its blocks: 0.2 ms on ext4, spent inside the rename when
         # nothing holds the old file open, and after the answer when this does.
         self.replaced: list[int] = []
+        # Set by workers/patch_sets.py: finishes the patch set owning a lock if its worker died.
+        self.finish_stuck: Callable[[str], object] | None = None
 
     def apply(self, ws: Path, tenant: str, run_id: str, task_id: str, path: str, diff: str,
               base_sha: str, held: bytes | None, midway: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -193,12 +196,27 @@ class PatchApplier:
         self.spare.restock()
 
     def _lock(self, lock_key: str, task_id: str) -> bytes:
-        """Wait for the file's lock, owned by the task; returns the task's earlier intent, b'' if none."""
-        deadline = time.monotonic() + LOCK_WAIT_S
+        return self.lock(lock_key, task_id, time.monotonic() + LOCK_WAIT_S)
+
+    def lock(self, lock_key: str, task_id: str, deadline: float,
+             on_wait: Callable[[], None] | None = None) -> bytes:
+        """Wait (until `deadline`, monotonic) for the file's lock, owned by the task; returns the
+        task's earlier intent, b'' if none. Now and then the holder is looked at: a patch set whose
+        worker died while renaming is finished for it (`finish_stuck`), else it would hold its
+        locks until its message came back. `on_wait` runs once if the lock is not free at first."""
+        next_look = time.monotonic() + STUCK_LOOK_S
         while (intent := self._acquire(keys=[lock_key, keys.patch_intent(task_id)],
                                        args=[task_id, records.LOCK_TTL_MS])) is None:
-            if time.monotonic() > deadline:
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
+            now = time.monotonic()
+            if now > deadline:
                 raise Unavailable("The file is locked by another patch; retry later.")
+            if self.finish_stuck is not None and now >= next_look:
+                if (holder := self.client.get(lock_key)) is not None:
+                    self.finish_stuck(holder.decode())
+                next_look = now + STUCK_LOOK_S
             time.sleep(0.005)
         return intent
 
