@@ -87,8 +87,11 @@ class Cgroups:
 
         A pool process runs one call at a time and no process outlives a call, so the group
         bounds exactly one call's tree. Making a fresh memory cgroup per call cost ~20 ms of
-        bwrap start-up (measured in bench/); joining an existing one costs ~0.1 ms. A group removed
-        meanwhile (by an operator, say) is made again rather than failing every later call.
+        bwrap start-up (measured in bench/; measured again with a loop of `bwrap true`: +1 ms at
+        p50, +10 ms at p90, the removal waiting for the sandbox's init), and leaves a dying memcg
+        behind each call that wrote files; joining an existing one costs ~0.1 ms, and usage is
+        read as deltas (workers/usage.py). A group removed meanwhile (by an operator, say) is made
+        again rather than failing every later call.
         """
         pid = os.getpid()
         if self._own is None or self._own[0] != pid or not all(d.is_dir() for d in self._own[1].dirs):

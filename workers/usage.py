@@ -100,9 +100,9 @@ class _V1Meter:
 class _V2Meter:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.peak_fd, self.held = _reset_peak(directory / "memory.peak")
         self.oom_kills = _keyed(directory / "memory.events", b"oom_kill")
         self.cpu_us = _keyed(directory / "cpu.stat", b"usage_usec")
+        self.peak_fd, self.held = _reset_peak(directory / "memory.peak")  # last: nothing after it can fail
 
     def stop(self) -> Usage:
         try:
