@@ -292,7 +292,8 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     ws = connect(agent, task_id)
     head = collect(ws, limit=1)
     assert head.events[0]["data"] == "started\n"
-    sleepers = processes_with_argv([b"sleep", marker.encode()])
+    # "started" is printed before bash has forked and exec'd the sleep: wait for it to show.
+    sleepers = wait_until(lambda: processes_with_argv([b"sleep", marker.encode()]), 30, "the sandboxed sleep")
     assert len(sleepers) == 1  # the sandboxed command is there, seen from the host
     victim_main = worker_main_pid(pair, task_id)
     [victim] = pool_children(victim_main)
