@@ -12,6 +12,7 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -468,3 +469,15 @@ def test_the_model_reads_a_set_a_dry_run_and_a_failed_entry(agent: Agent) -> Non
     forbidden = results(post(agent, "/v1/tool-use", tool_use(TOOL, {"patches": [entries[0], {**entries[1],
                                                                                           "path": "../v.txt"}]})))
     assert forbidden[0]["is_error"] is True and "Entry 1" in texts(forbidden[0])[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_set_whose_lease_lapsed_while_it_paused_still_finishes(held: StackInfo) -> None:
+    """Its worker is held between renames until the set's lease (3 s here) has lapsed, and no one
+    needs its files: let go, it takes its lease back and finishes the set itself."""
+    run = start_held_set(held, "patch_set_rename_2")
+    wait_until(lambda: not held.redis.exists(keys.lease(run.task_id)), 60, "the set's lease to lapse")
+    Path(held.env["RUNWARDEN_TEST_HOLD_DIR"], f"{run.task_id}.patch_set_rename_2.go").touch()
+    body = finished(run.agent, run.task_id)
+    assert body["status"] == "completed" and files_of(run.agent) == NEW
+    assert task_field(held, run.task_id, "attempts") == "1"  # the same delivery finished it

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from celery.exceptions import Reject
 
 from shared import keys, records
 from shared.errors import FileNotFound, RunwardenError, Unavailable
@@ -123,9 +124,19 @@ class PatchSets:
                 self._renew_locks(keys=locks, args=[task_id, records.LOCK_TTL_MS])  # the check may have been long
                 steps = self._stage_all(stack, ws, task_id, checked)
                 actor = self._record_intent(task_id, call, locks, steps, result, response, ws)
-                if not self._rename_all(task_id, actor, steps, [c.dir_fd for c in checked]):
-                    return  # another actor took the set over: it records the outcome
-                self._hold("before_finish", task_id)
+                try:
+                    if not self._rename_all(task_id, actor, steps, [c.dir_fd for c in checked]):
+                        return  # another actor took the set over: it records the outcome
+                    self._hold("before_finish", task_id)
+                    self._finish(task_id, result, response, locks)
+                except Unavailable:
+                    raise  # steps the workspace refused: the call's failure, recorded by the caller
+                except Exception as exc:
+                    # Committed: a failure recorded now would free the locks over half-renamed files.
+                    # Delivered again, the task finishes the set from its intent.
+                    log.exception("patch set %s: interrupted after its commit; it will be finished again", task_id)
+                    raise Reject(exc, requeue=True) from exc
+                return
             self._finish(task_id, result, response, locks)
 
     def finish_stuck(self, owner: str) -> bool:

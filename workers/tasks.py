@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import redis
 from celery import Task, shared_task
+from celery.exceptions import Reject
 
 from shared import keys, paths
 from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
@@ -115,6 +116,8 @@ class RunwardenTask(Task):
         locks `release` names, so a call always ends."""
         try:
             work()
+        except Reject:
+            raise  # the work is to be delivered again, its outcome not recorded (a committed patch set)
         except RunwardenError as exc:
             return self._record_error(call, exc, release)
         except OSError as exc:
