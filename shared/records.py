@@ -89,9 +89,11 @@ redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
 return 1
 """
 
-# KEYS: a set's lease. ARGV: actor, lease ms. Renewed by the actor holding it, or taken back by it
-# if it lapsed meanwhile (a slow step, a pause) and no one took it over: 1; 0 if another actor has it.
+# KEYS: a set's lease, its task. ARGV: actor, lease ms. Renewed by the actor holding it, or taken
+# back by it if it lapsed meanwhile (a slow step, a pause) and no one took it over: 1. 0 if another
+# actor has it, or the call has ended (another actor finished it and its locks are free again).
 RENEW_LEASE = """
+if redis.call('HGET', KEYS[2], 'status') ~= 'running' then return 0 end
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])

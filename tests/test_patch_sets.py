@@ -481,3 +481,18 @@ def test_a_set_whose_lease_lapsed_while_it_paused_still_finishes(held: StackInfo
     body = finished(run.agent, run.task_id)
     assert body["status"] == "completed" and files_of(run.agent) == NEW
     assert task_field(held, run.task_id, "attempts") == "1"  # the same delivery finished it
+
+
+@pytest.mark.timeout(180)
+def test_a_paused_worker_whose_set_was_finished_for_it_touches_nothing_after(held: StackInfo) -> None:
+    """The set's worker is held (alive) before it deletes b.txt until its lease lapses; a patch
+    creating b.txt anew waits for b.txt's lock, finishes the set for it (deleting the old b.txt),
+    then creates its own. Let go, the set's worker must not carry on with its delete."""
+    run = start_held_set(held, "patch_set_rename_1")
+    wait_until(lambda: not held.redis.exists(keys.lease(run.task_id)), 60, "the set's lease to lapse")
+    again = run.agent.call("apply_file_patch", create("b.txt", b"b-again\n"))
+    assert again.status_code == 200, again.text
+    assert finished(run.agent, run.task_id)["status"] == "completed"
+    Path(held.env["RUNWARDEN_TEST_HOLD_DIR"], f"{run.task_id}.patch_set_rename_1.go").touch()
+    wait_until(lambda: f"[{run.task_id}] succeeded" in worker_logs(held), 60, "the held worker to end the task")
+    assert files_of(run.agent) == {**NEW, "b.txt": b"b-again\n"}

@@ -298,7 +298,7 @@ class PatchSets:
         failed = []
         for index, step in enumerate(steps):
             self._hold(f"patch_set_rename_{index}", owner)
-            if not self._renew_lease(keys=[keys.lease(owner)], args=[actor, self.lease_ms]):
+            if not self._renew_lease(keys=[keys.lease(owner), keys.task(owner)], args=[actor, self.lease_ms]):
                 return False
             try:
                 fd = dir_fds[index] if dir_fds is not None else None
