@@ -21,7 +21,7 @@ from api.problems import PROBLEM_JSON, json_response, problem_response
 from api.runtime import Runtime, runtime
 from shared import audit, commands, paths
 from shared.errors import (IdempotencyKeyInUse, IdempotencyKeyReused, PathForbidden, QuotaExceeded, RateLimited,
-                           Unavailable)
+                           SchemaInvalid, Unavailable)
 from shared.audit import Audited
 from shared.idempotency import Admitted, Existing, fingerprint
 from shared.scheduler import hold_queue
@@ -65,10 +65,12 @@ class Accepted:
         """What task events (Flower, `celery events`) show of the call, as Celery's argsrepr: whose
         call and what it names, never its diff or command, which may hold a tenant's secrets. Also
         spares Celery's saferepr of the whole message on every send."""
-        shown = {"tenant": self.grant.tenant, "run_id": self.grant.run_id, "call_id": self.call.call_id,
-                 "tool_name": self.call.tool_name}
+        shown: dict[str, object] = {"tenant": self.grant.tenant, "run_id": self.grant.run_id,
+                                    "call_id": self.call.call_id, "tool_name": self.call.tool_name}
         if "path" in self.call.parameters:
             shown["path"] = self.call.parameters["path"]
+        if "patches" in self.call.parameters:
+            shown["paths"] = [entry["path"] for entry in self.call.parameters["patches"]]
         return repr([shown])
 
 
@@ -79,6 +81,8 @@ def authorize(call: ToolCall, grant: Grant) -> ToolCall:
     if "path" in params:
         params["path"] = paths.normalize(params["path"])
         grant.require_path(params["path"])
+    if "patches" in params:
+        params["patches"] = _authorize_patches(params["patches"], grant)
     if call.tool.streams:
         if "cwd" in params:
             params["cwd"] = paths.normalize(params["cwd"], allow_root=True)
@@ -87,6 +91,26 @@ def authorize(call: ToolCall, grant: Grant) -> ToolCall:
         if grant.allowed_commands is not None:
             commands.check(params["command"], grant.allowed_commands)
     return ToolCall(call.tool_name, call.call_id, params)
+
+
+def _authorize_patches(patches: list[dict[str, Any]], grant: Grant) -> list[dict[str, Any]]:
+    """Each entry's path normalized and granted, and none twice (after normalizing: `a//b` is
+    `a/b`); a refusal names the entry by `failed_index`, as the worker's do."""
+    normalized, first_at = [], dict[str, int]()
+    for index, entry in enumerate(patches):
+        try:
+            path = paths.normalize(entry["path"])
+            grant.require_path(path)
+        except PathForbidden as exc:
+            exc.extra["failed_index"] = index
+            raise
+        if path in first_at:
+            pointer = f"/parameters/patches/{index}/path"
+            raise SchemaInvalid("A patch set names each path once.", failed_index=index, errors=[
+                {"pointer": pointer, "message": f"the same file as entry {first_at[path]}"}])
+        first_at[path] = index
+        normalized.append({**entry, "path": path})
+    return normalized
 
 
 def stream_url(task_id: str) -> str:

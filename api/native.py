@@ -73,6 +73,9 @@ def outcome(view: TaskView | None, task_id: str, stream_url: str | None) -> Rend
 
 def _failure(code: str, message: str, extra: dict[str, Any]) -> Rendered:
     lines = [f"Error {code}: {message}"]
+    if extra.get("failed_index") is not None:  # a patch set: one entry failed, none was applied
+        where = f" ({extra['path']})" if extra.get("path") else ""
+        lines.append(f"Entry {extra['failed_index']}{where} of the patch set failed; no file was changed.")
     if code == "base_sha_mismatch" and extra.get("current_sha"):
         lines.append(f"The file's current sha is {extra['current_sha']}.")
     for error in extra.get("errors") or []:
@@ -92,10 +95,15 @@ def _file(result: dict[str, Any]) -> Rendered:
     return Rendered([result.get("content", ""), status] if result.get("content") else [status])
 
 
-def _patch_line(result: dict[str, Any]) -> str:
+def _patch_line(result: dict[str, Any], dry_run: bool = False) -> str:
     if "files" in result:  # a patch set
-        return " ".join(_patch_line(entry) for entry in result["files"])
+        lines = [_patch_line(entry, bool(result.get("dry_run"))) for entry in result["files"]]
+        head = ("Dry run: every entry applies; nothing was written." if result.get("dry_run")
+                else f"All {len(lines)} files changed as one.")
+        return " ".join([head, *lines])
     verb = "deleted" if result.get("deleted") else "created" if result.get("created") else "patched"
+    if dry_run:
+        return f"would be {verb}: {result.get('path')}, new sha {result.get('new_sha')}."
     return f"{verb} {result.get('path')}: new sha {result.get('new_sha')} (the base_sha of your next patch)."
 
 
@@ -112,18 +120,42 @@ def _shell(status: Status, result: dict[str, Any], task_id: str, stream_url: str
                          f"whole output is in the call's stream (task_id {task_id}, {stream_url})")
     exit_code = result.get("exit_code")
     ended = _how_it_ended(status, result)
-    rendered.texts.append("; ".join([f"exit code {exit_code}{ended}", *(notes or ["no output"])]) + ".")
-    rendered.is_error = status is not Status.COMPLETED or exit_code != 0 or bool(result.get("timed_out"))
+    rendered.texts.append("; ".join([f"exit code {exit_code}", *ended, *(notes or ["no output"])]) + ".")
+    rendered.is_error = (status is not Status.COMPLETED or exit_code != 0 or bool(result.get("timed_out"))
+                         or result.get("termination") not in (None, "exited"))
     return rendered
 
 
-def _how_it_ended(status: Status, result: dict[str, Any]) -> str:
+def _how_it_ended(status: Status, result: dict[str, Any]) -> list[str]:
+    """What ended the command, from its `termination` (for a result recorded before it existed,
+    from the old flags), then what the command used where that was measured."""
+    termination = result.get("termination") or _termination_of(status, result)
+    peak, cpu_ms = result.get("peak_memory_bytes"), result.get("cpu_time_ms")
+    ended = {
+        "cancelled": "cancelled",
+        "timed_out": "killed: timed out (it ran past timeout_ms)",
+        "output_capped": "stopped: its output passed the output cap",
+        "oom_killed": "killed: out of memory" + (f" (peak {_bytes(peak)})" if peak is not None else ""),
+        "signaled": f"killed by {result.get('signal') or 'a signal'}",
+    }.get(termination)
+    used = [] if peak is None or termination == "oom_killed" else [f"peak memory {_bytes(peak)}"]
+    used += [] if cpu_ms is None else [f"cpu time {cpu_ms} ms"]
+    return ([ended] if ended else []) + ([", ".join(used)] if used else [])
+
+
+def _termination_of(status: Status, result: dict[str, Any]) -> str:
     if status is Status.CANCELLED:
-        return " (cancelled)"
+        return "cancelled"
     if result.get("timed_out"):
-        return " (timed out: it ran past timeout_ms and was killed)"
+        return "timed_out"
     if result.get("truncated"):
-        return " (stopped: its output passed the output cap)"
-    if result.get("signal"):
-        return f" (ended by {result['signal']})"
-    return ""
+        return "output_capped"
+    return "signaled" if result.get("signal") else "exited"
+
+
+def _bytes(count: int) -> str:
+    """1.0 GiB, 12.5 MiB, 900 KiB: what a person reads at a glance."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"

@@ -20,6 +20,7 @@ _PROBLEM = {
         "task_id": {"type": "string"}, "call_id": {"type": "string"}, "tool_name": {"type": "string"},
         "current_sha": {"type": "string"}, "stream_url": {"type": "string"},
         "member": {"type": ["string", "null"]},
+        "path": {"type": "string"}, "failed_index": {"type": "integer", "minimum": 0},  # a patch set's entry
     },
 }
 _STATUS = {"type": "string", "enum": ["queued", "running", "completed", "failed", "cancelled", "lost"]}

@@ -50,7 +50,8 @@ def execution(task_id: str) -> str:
 
 
 def lease(task_id: str) -> str:
-    """String with a short TTL, refreshed while a worker runs the call; its absence means the worker died."""
+    """String with a short TTL, refreshed while a worker runs the call (a shell call, or a patch set
+    doing its renames: it names the actor doing them); its absence means the worker died."""
     return f"{PREFIX}:lease:{task_id}"
 
 
@@ -86,7 +87,9 @@ def file_lock(tenant: str, run_id: str, path: str) -> str:
 
 
 def patch_intent(task_id: str) -> str:
-    """Hash written before a file is replaced, so a redelivered patch recognises its own write."""
+    """String written before a file is replaced, so a redelivered patch recognises its own write;
+    for a patch set, every staged file and its target, and the call's response, so the redelivered
+    task or any worker can finish the renames (workers/patch_sets.py)."""
     return f"{PREFIX}:intent:{task_id}"
 
 

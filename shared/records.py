@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from shared import keys, metrics
 from shared.audit import AUDIT
+from shared.endings import ShellEnd, Termination
 from shared.keys import Status
 from shared.scheduler import DISPATCH
 from shared.schema import TOOLS
@@ -77,6 +78,51 @@ redis.call('PUBLISH', ARGV[2], cjson.encode({signal = ARGV[1], n = n}))
 return n
 """
 
+# A patch set's commit (workers/patch_sets.py). KEYS: the set's intent, its lease, then its locks.
+# ARGV: owner (task id), intent, intent ttl ms, actor, lease ms. Only while every lock is still the
+# set's: the locks last as long as the intent (until the set is finished, no other writer gets in),
+# the intent is recorded, and the actor that will do the renames takes the lease.
+COMMIT_SET = """
+for i = 3, #KEYS do
+  if redis.call('GET', KEYS[i]) ~= ARGV[1] then return 0 end
+end
+for i = 3, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
+return 1
+"""
+
+# KEYS: a set's lease, its task. ARGV: actor, lease ms. Renewed by the actor holding it, or taken
+# back by it if it lapsed meanwhile (a slow step, a pause) and no one took it over: 1. 0 if another
+# actor has it, or the call has ended (another actor finished it and its locks are free again).
+RENEW_LEASE = """
+if redis.call('HGET', KEYS[2], 'status') ~= 'running' then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: a set's intent, its lease. ARGV: actor, lease ms. A committed set whose actor stopped
+# renewing its lease is taken over (by its redelivered task, or a worker waiting for its locks).
+TAKE_OVER_SET = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# KEYS: locks. ARGV: owner, ttl ms. Those still the owner's last another ttl; returns how many.
+RENEW_LOCKS = """
+local mine = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    mine = mine + 1
+  end
+end
+return mine
+"""
+
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`,
 # and for the audit record the exit code and error code ('' for none). Returns what the metrics of a
 # call's end need: {tool name, created ms}.
@@ -121,10 +167,12 @@ local function terminal(status)
 end
 """
 
-# KEYS: task, lease, running set, log, done, and optionally a lock the task owns (a patched file's).
+# KEYS: task, lease, running set, log, done, then the locks the task may own (its patched files').
 # ARGV: task id, status, result, now, ttl, code, body, exit event, retention, exit code, error code.
 _FINISH = _END + """
-if KEYS[6] and redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('DEL', KEYS[6]) end
+for i = 6, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
+end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or terminal(status) then return 0 end
 return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
@@ -199,18 +247,6 @@ def _counted(reply: Any, outcome: str, ended_ms: int) -> bool:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def exit_event(status: Status, **fields: Any) -> str:
-    """A call's exit event; `seq` is assigned when it is logged. Fields a call that never ran (or
-    whose worker died) cannot know stay null."""
-    event = {
-        "type": "exit", "seq": 0, "status": status.value, "exit_code": None, "signal": None,
-        "timed_out": False, "duration_ms": None, "stdout_bytes": None, "stderr_bytes": None,
-        "stdout_sha256": None, "stderr_sha256": None, "truncated": False,
-    }
-    event.update(fields)
-    return json.dumps(event, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -348,16 +384,17 @@ class Records:
         *,
         response: tuple[int, bytes] | None = None,
         exit_json: str = "",
-        release: str | None = None,
+        release: str | Sequence[str] | None = None,
     ) -> bool:
         """Record the terminal status (first one wins), complete the idempotency record, append the
-        audit record, and free the lock `release` names if this task holds it."""
+        audit record, and free the locks `release` names that this task holds (a patch's file, a patch
+        set's files)."""
         code, body = response if response else ("", b"")
         exit_code = result.get("exit_code") if isinstance(result, dict) else None
         error_code = result.get("code") if isinstance(result, dict) and status is not Status.COMPLETED else None
         ended_ms = now_ms()
         reply = self._finish(
-            keys=self._keys(task_id) + ([release] if release else []),
+            keys=self._keys(task_id) + ([release] if isinstance(release, str) else list(release or ())),
             args=[task_id, status.value, json.dumps(result), ended_ms, self.ttl_ms, code, body, exit_json,
                   self.retention_ms, "" if exit_code is None else int(exit_code), error_code or ""],
         )
@@ -366,9 +403,11 @@ class Records:
     def cancel(self, view: TaskView) -> str:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
         replays the cancelled record), or flag a running one; returns the status found."""
-        result = {"code": "cancelled", "message": "Cancelled before it started."}
         shell = TOOLS[view.tool_name].streams
-        exit_json = exit_event(Status.CANCELLED) if shell else ""
+        end = ShellEnd(Termination.CANCELLED)
+        result = {"code": "cancelled", "message": "Cancelled before it started.",
+                  **(end.never_ran_fields() if shell else {})}
+        exit_json = end.exit_event(Status.CANCELLED) if shell else ""
         body = "" if shell else json.dumps({**view.public(), "status": Status.CANCELLED.value, "result": result},
                                            ensure_ascii=False, separators=(",", ":"))
         ended_ms = now_ms()
@@ -385,8 +424,10 @@ class Records:
     def reap(self, task_id: str) -> bool:
         """A running shell call whose worker stopped renewing its lease becomes `lost` (never re-run);
         only shell calls hold leases."""
-        result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run."}
-        exit_json = exit_event(Status.LOST)
+        end = ShellEnd(Termination.LOST)
+        result = {"code": "worker_lost", "message": "The worker running this call stopped; it was not re-run.",
+                  **end.never_ran_fields()}
+        exit_json = end.exit_event(Status.LOST)
         ended_ms = now_ms()
         reply = self._reap(
             keys=self._keys(task_id),

@@ -51,6 +51,30 @@ def _stream_fields(name: str) -> dict[str, Any]:
     }
 
 
+MAX_PATCHES = 64
+_DIFF = {"type": "string", "minLength": 1, "maxLength": MAX_DIFF, "description": "Unified diff of this one file."}
+_BASE_SHA = {"type": "string", "pattern": whole("[0-9a-f]{40}"), "minLength": 40, "maxLength": 40,
+             "description": "git blob SHA-1 of the file the diff was written against."}
+_PATCH = {
+    "type": "object",
+    "properties": {"path": _PATH, "diff": _DIFF, "base_sha": _BASE_SHA},
+    "required": ["path", "diff", "base_sha"],
+    "additionalProperties": False,
+}
+
+_PATCH_RESULT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string"},
+        "base_sha": _SHA1,
+        "new_sha": {**_SHA1, "description": "The file's sha now (forty zeros once deleted)."},
+        "created": {"type": "boolean"},
+        "deleted": {"type": "boolean"},
+    },
+    "required": ["path", "base_sha", "new_sha", "created", "deleted"],
+}
+
+
 @dataclass(frozen=True)
 class Tool:
     """A tool as every surface and both sides see it: who may call it, where it runs, its schema."""
@@ -128,28 +152,44 @@ TOOLS: dict[str, Tool] = {
                 "next patch to it. The file is replaced atomically. Answers within seconds; sending the "
                 "same call again (same id or Idempotency-Key) is safe: it is never applied twice."
             ),
+            parameters=_PATCH,
+            result=_PATCH_RESULT,
+            idempotent=True,
+        ),
+        Tool(
+            name="apply_file_patches",
+            scope="files:write",
+            queue=FILE_QUEUE,
+            streams=False,
+            description=(
+                "Apply unified diffs to several files as one change, all or nothing: either every file "
+                "ends at its new_sha or none changes, even if the worker dies midway. Use it instead of "
+                "several apply_file_patch calls when the changes belong together (a rename across files, "
+                "an interface and its callers). Each entry is one file's diff and the base_sha it was "
+                "written against (forty zeros: create; '+++ /dev/null': delete); each path once. If an "
+                "entry fails (its file changed: base_sha_mismatch with current_sha; patch_does_not_apply; "
+                "path_forbidden; file_not_found), nothing is written and the error names failed_index, "
+                "the entry's position. dry_run: true checks every entry and writes nothing."
+            ),
             parameters={
                 "type": "object",
                 "properties": {
-                    "path": _PATH,
-                    "diff": {"type": "string", "minLength": 1, "maxLength": MAX_DIFF,
-                             "description": "Unified diff of this one file."},
-                    "base_sha": {"type": "string", "pattern": whole("[0-9a-f]{40}"), "minLength": 40, "maxLength": 40,
-                                 "description": "git blob SHA-1 of the file the diff was written against."},
+                    "patches": {"type": "array", "minItems": 1, "maxItems": MAX_PATCHES, "items": _PATCH,
+                                "description": "The files' diffs, applied in this order; each path once."},
+                    "dry_run": {"type": "boolean", "default": False,
+                                "description": "Check every entry and answer what would happen; write nothing."},
                 },
-                "required": ["path", "diff", "base_sha"],
+                "required": ["patches"],
                 "additionalProperties": False,
             },
             result={
                 "type": "object",
                 "properties": {
-                    "path": {"type": "string"},
-                    "base_sha": _SHA1,
-                    "new_sha": {**_SHA1, "description": "The file's sha now (forty zeros once deleted)."},
-                    "created": {"type": "boolean"},
-                    "deleted": {"type": "boolean"},
+                    "dry_run": {"type": "boolean"},
+                    "files": {"type": "array", "items": _PATCH_RESULT,
+                              "description": "Per entry, in order: what it did (or, dry run, would do)."},
                 },
-                "required": ["path", "base_sha", "new_sha", "created", "deleted"],
+                "required": ["dry_run", "files"],
             },
             idempotent=True,
         ),

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from shared.settings import Settings
+from workers.cgroups import Cgroups
 from tests.streams import Received, connect
 from tests.waiting import cancel, ended, wait_until
 
@@ -247,6 +248,10 @@ def test_memory_hog_ends_without_killing_the_worker(agent) -> None:
     output = result["stdout"] + result["stderr"]
     # refused by an rlimit (an allocation error) or ended by a memory cgroup (SIGKILL, 137)
     assert re.search(r"memory exhausted|cannot allocate|Cannot allocate|out of memory|rc=137", output), result
+    # Where a cgroup bounds the tree, its limit is the one met, and the result says so (section 13).
+    settings = Settings.from_env(agent.stack.env, require_jwt=False)
+    bounded = Cgroups.detect(settings.sandbox_memory_bytes, settings.sandbox_max_processes) is not None
+    assert result["termination"] == ("oom_killed" if bounded else "exited"), result
     assert run(agent, "echo still-serving")["stdout"] == "still-serving\n"
     assert host_processes_of(agent.stack, "celery") == before
     assert agent.stack.stack.died() is None

@@ -292,7 +292,8 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     ws = connect(agent, task_id)
     head = collect(ws, limit=1)
     assert head.events[0]["data"] == "started\n"
-    sleepers = processes_with_argv([b"sleep", marker.encode()])
+    # "started" is printed before bash has forked and exec'd the sleep: wait for it to show.
+    sleepers = wait_until(lambda: processes_with_argv([b"sleep", marker.encode()]), 30, "the sandboxed sleep")
     assert len(sleepers) == 1  # the sandboxed command is there, seen from the host
     victim_main = worker_main_pid(pair, task_id)
     [victim] = pool_children(victim_main)
@@ -310,13 +311,15 @@ def test_shell_worker_sigkilled_call_is_lost_once_never_rerun(pair: StackInfo) -
     events = head.events + rest.events
     exits = [e for e in events if e["type"] == "exit"]
     assert len(exits) == 1 and events[-1] is exits[0], events
-    assert exits[0]["status"] == "lost"
+    assert exits[0]["status"] == "lost" and exits[0]["termination"] == "lost"
+    assert exits[0]["exit_code"] is None and exits[0]["peak_memory_bytes"] is None  # nothing known, nothing made up
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert rest.close_code == 1000
 
     final = terminal(agent, task_id, 60)
     lost_s = time.monotonic() - killed_at
     assert final["status"] == "lost" and final["result"]["code"] == "worker_lost"
+    assert final["result"]["termination"] == "lost"
     # Its tenant's quota slot and its queue's in-flight slot came back with it.
     assert pair.redis.scard(keys.tenant_active(agent.tenant)) == 0
     assert not pair.redis.sismember(keys.inflight(keys.SHELL_QUEUE), task_id)

@@ -16,7 +16,7 @@ import pytest
 import redis
 import requests
 
-from tests.contract import assert_tool_parameters
+from tests.contract import TOOL_PARAMETERS, assert_tool_parameters
 from tests.waiting import wait_until
 from workers.patching import git_blob_sha
 
@@ -299,7 +299,7 @@ def test_tools_listing(stack) -> None:
     response = requests.get(url(stack, "/v1/tools"), timeout=30)
     assert response.status_code == 200 and response.headers["Content-Type"].startswith("application/json")
     tools = response.json()["tools"]
-    assert sorted(t["name"] for t in tools) == ["apply_file_patch", "execute_shell_command", "read_file"]
+    assert sorted(t["name"] for t in tools) == sorted(TOOL_PARAMETERS)
     for tool in tools:
         assert set(tool) >= {"name", "description", "input_schema"}
         assert tool["description"]
@@ -310,7 +310,7 @@ def test_tools_listing_openai_format(stack) -> None:
     response = requests.get(url(stack, "/v1/tools?format=openai"), timeout=30)
     assert response.status_code == 200
     body = response.json()
-    assert list(body) == ["tools"] and len(body["tools"]) == 3
+    assert list(body) == ["tools"] and len(body["tools"]) == len(TOOL_PARAMETERS)
     for tool in body["tools"]:  # OpenAI's function tool: {"type": "function", "function": {name, description, parameters}}
         assert tool["type"] == "function"
         function = tool["function"]

@@ -7,7 +7,11 @@ redelivered message runs on), writes its pid to `<task_id>.<moment>.held`, and w
 `<task_id>.<moment>.go` exists. A test SIGKILLs it while held, or lets it go on.
 
 Moments: `mid_write` (half of a patch's new bytes written, before the rest and the fsync) and
-`before_finish` (a file tool has done its work, its outcome is not yet recorded).
+`before_finish` (a file tool has done its work, its outcome is not yet recorded). A patch set
+(workers/patch_sets.py) adds `patch_set_start` (a delivery has started the call, before anything
+else), `patch_set_locked_<i>` (its i-th lock, in sorted order, is taken), `patch_set_waits` (the
+first time it has to wait for a lock), `patch_set_staged` (every new content is staged, the intent
+not yet recorded) and `patch_set_rename_<i>` (committed, before step i).
 """
 from __future__ import annotations
 

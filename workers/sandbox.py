@@ -38,6 +38,7 @@ from shared.errors import PathForbidden, SandboxUnavailable
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from shared.settings import Settings
 from workers import workspace as workspace_files
+from workers import usage
 from workers.cgroups import Cgroups
 
 log = logging.getLogger("runwarden.sandbox")
@@ -106,6 +107,16 @@ class Process:
         except OSError:
             return True  # the init is gone, or this kernel has no such file: send, as before
 
+    def ended_by_signal(self) -> bool:
+        """Whether the command (once waited for) died of a signal rather than by exiting. Unsandboxed,
+        the wait status says so. bubblewrap reports a command's death by signal N as its own exit
+        with 128 + N, as shells do, so for a sandbox only that code is left to go by: a command
+        that itself runs `exit 137` cannot be told from one killed by SIGKILL."""
+        code = self.popen.returncode
+        if not self.sandbox_init:
+            return code < 0
+        return 128 < code < 128 + signal.NSIG
+
     def signal(self, signum: int) -> None:
         """Deliver to the command's process group (the sandbox init ignores what it has no use for)."""
         try:
@@ -140,6 +151,12 @@ class Runner(Protocol):
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
               view: ShellView = WHOLE_WORKSPACE) -> Process: ...
 
+    def meter(self) -> usage.Meter:
+        """Start measuring the next spawn's tree (its cgroup's usage from now on)."""
+
+    def after_call(self) -> None:
+        """Work for between calls, once a call has answered (its cgroup's upkeep)."""
+
 
 def _check_cwd(view: ShellView, cwd: str) -> None:
     """The API checks cwd against allowed_paths; checked again here, where the view is built."""
@@ -168,19 +185,37 @@ def let_commands_start_with_default_signals() -> None:
             signal.signal(signum, _swallow)
 
 
-def limits_prelude(limits: Limits, processes: int) -> str:
+def limits_prelude(limits: Limits, processes: int, address_space: int | None = None) -> str:
     """The script of the sandbox's first bash: set the rlimits (hard and soft), then become the
     command's own `bash -c` (so $0, line numbers and error messages are a plain `bash -c`'s).
-    Values above this process's hard limits are lowered to them: ulimit could not raise those."""
+    Values above this process's hard limits are lowered to them: ulimit could not raise those.
+    `address_space` (RLIMIT_AS, per process) defaults to the memory limit."""
     def capped(resource_id: int, value: int) -> int:
         hard = resource.getrlimit(resource_id)[1]
         return value if hard == resource.RLIM_INFINITY else min(value, hard)
-    memory_kib = capped(resource.RLIMIT_AS, limits.memory_bytes) // 1024
+    memory_kib = capped(resource.RLIMIT_AS, address_space or limits.memory_bytes) // 1024
     file_kib = capped(resource.RLIMIT_FSIZE, limits.file_bytes) // 1024  # bash counts -f in 1024-byte blocks
     nproc = capped(resource.RLIMIT_NPROC, processes)
     nofile = capped(resource.RLIMIT_NOFILE, limits.open_files)
     return (f"ulimit -H -S -v {memory_kib} -u {nproc} -f {file_kib} -n {nofile} -c 0 || exit 126; "
             'exec /bin/bash -c "$1"')
+
+
+# With a cgroup bounding the tree, its limits are the ones a call meets (passing the memory limit is
+# an OOM kill the result names), and the rlimits only back them up: RLIMIT_NPROC counts every
+# process of the sandbox's uid, and RLIMIT_AS one process's address space, which programs reserve
+# far beyond what they touch (at the memory limit itself, a 200 MB allocation failed as
+# MemoryError in a 64 MiB sandbox instead of reaching the cgroup). Still bounded, should a cgroup
+# not hold.
+NPROC_BACKSTOP = 64
+ADDRESS_SPACE_BACKSTOP = 4
+
+
+def backstop_prelude(limits: Limits, bounded_by_cgroup: bool) -> str:
+    """The rlimits prelude: the limits themselves without a cgroup, a backstop behind one."""
+    if not bounded_by_cgroup:
+        return limits_prelude(limits, limits.processes)
+    return limits_prelude(limits, limits.processes * NPROC_BACKSTOP, limits.memory_bytes * ADDRESS_SPACE_BACKSTOP)
 
 
 def find_bwrap() -> str | None:
@@ -217,8 +252,14 @@ class BwrapRunner:
         self.etc_dir = etc_dir
         self._binds_by_fd = "--bind-fd" in features
         self._system = self._system_options()
-        # With a cgroup bounding the tree, NPROC (counted over the whole uid) is only a backstop.
-        self._prelude = limits_prelude(limits, limits.processes * (64 if cgroups else 1))
+        self._prelude = backstop_prelude(limits, cgroups is not None)
+
+    def meter(self) -> usage.Meter:
+        return usage.start(self.cgroups.for_this_process()) if self.cgroups else usage.NO_METER
+
+    def after_call(self) -> None:
+        if self.cgroups:
+            self.cgroups.renew_if_charged()
 
     def _system_options(self) -> list[str]:
         """The options every sandbox shares: namespaces, the system read-only, /etc as one directory."""
@@ -361,7 +402,14 @@ class UnsafeRunner:
     def __init__(self, limits: Limits, cgroups: Cgroups | None = None) -> None:
         self.limits = limits
         self.cgroups = cgroups
-        self._prelude = limits_prelude(limits, limits.processes * (64 if cgroups else 1))
+        self._prelude = backstop_prelude(limits, cgroups is not None)
+
+    def meter(self) -> usage.Meter:
+        return usage.start(self.cgroups.for_this_process()) if self.cgroups else usage.NO_METER
+
+    def after_call(self) -> None:
+        if self.cgroups:
+            self.cgroups.renew_if_charged()
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
               view: ShellView = WHOLE_WORKSPACE) -> Process:

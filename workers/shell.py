@@ -18,7 +18,7 @@ import redis
 from shared import keys
 from shared.keys import Status
 from shared.paths import WHOLE_WORKSPACE, ShellView
-from shared.records import exit_event
+from shared.endings import ShellEnd, Usage, decide
 from shared.schema import SIGNALS
 from shared.settings import Settings
 from workers.relay import Publisher, StreamCopy
@@ -87,7 +87,12 @@ class ShellCall:
         """`sent`: the signals clients sent before the call started, in order; `view`: what of the
         workspace the token's allowed_paths show the command."""
         started = time.monotonic()
-        process = self.runner.spawn(command, workspace, cwd, network, view)
+        meter = self.runner.meter()
+        try:
+            process = self.runner.spawn(command, workspace, cwd, network, view)
+        except BaseException:
+            meter.stop()  # lets go of what it holds open
+            raise
         run = _Run(process, deadline=started + timeout_ms / 1000)
         self._take_listed(run, sent)
         assert process.popen.stdout and process.popen.stderr
@@ -102,7 +107,7 @@ class ShellCall:
             process.popen.wait()
             for pipe in (process.popen.stdout, process.popen.stderr):
                 pipe.close()
-        return self._outcome(run, started)
+        return self._outcome(run, started, meter.stop())  # the sandbox's whole tree is gone by now
 
     def _pump(self, run: _Run, control: redis.client.PubSub) -> None:
         selector = selectors.DefaultSelector()
@@ -262,21 +267,23 @@ class ShellCall:
         if run.kill_at is None:
             run.kill_at = time.monotonic() + self.settings.kill_grace_s
 
-    def _outcome(self, run: _Run, started: float) -> Outcome:
+    def _outcome(self, run: _Run, started: float, usage: Usage) -> Outcome:
         exit_code = run.process.popen.returncode
+        died_of_signal = run.process.ended_by_signal()
         if exit_code < 0:  # the unsandboxed runner reports a signal as a negative code
             exit_code = 128 - exit_code
-        duration_ms = int((time.monotonic() - started) * 1000)
         stdout, stderr = run.streams.values()
-        summary = {
-            "exit_code": exit_code, "signal": signal_name(exit_code), "timed_out": run.timed_out,
-            "duration_ms": duration_ms, "stdout_bytes": stdout.size, "stderr_bytes": stderr.size,
-            "stdout_sha256": stdout.sha.hexdigest(), "stderr_sha256": stderr.sha.hexdigest(),
-            "truncated": run.truncated,
-        }
+        termination = decide(cancelled=run.cancelled, timed_out=run.timed_out, capped=run.truncated,
+                             oom_kills=usage.oom_kills, died_of_signal=died_of_signal)
+        end = ShellEnd(
+            termination, exit_code=exit_code, signal=signal_name(exit_code), timed_out=run.timed_out,
+            duration_ms=int((time.monotonic() - started) * 1000), stdout_bytes=stdout.size,
+            stderr_bytes=stderr.size, stdout_sha256=stdout.sha.hexdigest(), stderr_sha256=stderr.sha.hexdigest(),
+            truncated=run.truncated, usage=usage,
+        )
         status = Status.CANCELLED if run.cancelled else Status.COMPLETED
-        result = {**summary, **stdout.result_fields(), **stderr.result_fields()}
-        return Outcome(status, result, exit_event(status, **summary))
+        result = {**end.fields(), **stdout.result_fields(), **stderr.result_fields()}
+        return Outcome(status, result, end.exit_event(status))
 
 
 def _grow_pipe(fd: int) -> None:

@@ -14,19 +14,23 @@ import socket
 import time
 from contextlib import ExitStack, suppress
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import redis
 from celery import Task, shared_task
+from celery.exceptions import Reject
 
 from shared import connections, keys, paths
 from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
 from shared.keys import Status
-from shared.records import Records, exit_event
+from shared.endings import NOT_RUN
+from shared.records import Records
 from shared.settings import Settings
 from workers import metrics, workspace
 from workers.files import PatchApplier, Prepared, read_file as read_file_tool
 from workers.holds import Holds
+from workers.patch_sets import PatchSets
 from workers.sandbox import Runner
 from workers.shell import ShellCall
 
@@ -56,6 +60,9 @@ class WorkerContext:
         self.name = WORKER_NAME
         self.control = self.redis.pubsub()  # one connection per process, a channel per call
         self.holds = Holds(settings.test_hold_dir)  # test mode only; off in production
+        self.patch_sets = PatchSets(self.redis, self.patches, self.records, self.workspace, self.holds,
+                                    lease_s=settings.lease_s, intent_ttl_s=settings.idempotency_ttl_s,
+                                    worker=self.name)
 
     def workspace(self, tenant: str, run_id: str) -> Path:
         return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
@@ -95,33 +102,45 @@ class RunwardenTask(Task):
         if started.attempts > MAX_FILE_ATTEMPTS:
             error: RunwardenError = Unavailable("The call was delivered too many times; its workers died.")
             return self._record_error(call, error, lock)
-        try:
+
+        def work() -> None:
             result = tool(started.intent)
             if before_finish := self.ctx.holds.point("before_finish", task_id):
                 before_finish()
+            body = _json({"task_id": task_id, "call_id": call["call_id"], "tool_name": call["tool_name"],
+                          "status": Status.COMPLETED.value, "result": result})
+            records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()), release=lock)
+        return self.guarded(call, work, lock)
+
+    def guarded(self, call: dict[str, Any], work: Callable[[], None],
+                release: str | Sequence[str] | None) -> dict[str, Any]:
+        """Run `work`, which records the call's success; any failure is recorded here, freeing the
+        locks `release` names, so a call always ends."""
+        try:
+            work()
+        except Reject:
+            raise  # the work is to be delivered again, its outcome not recorded (a committed patch set)
         except RunwardenError as exc:
-            return self._record_error(call, exc, lock)
+            return self._record_error(call, exc, release)
         except OSError as exc:
-            log.exception("file call %s failed", task_id)
+            log.exception("file call %s failed", self.request.id)
             error = Unavailable(f"The file system refused: {exc.strerror or type(exc).__name__}.")
-            return self._record_error(call, error, lock)
+            return self._record_error(call, error, release)
         except Exception:  # a bug must still end the call, never leave it running with its key held
-            log.exception("file call %s failed", task_id)
-            error = InternalError("The call failed unexpectedly; it has been logged.")
-            return self._record_error(call, error, lock)
-        body = _json({"task_id": task_id, "call_id": call["call_id"], "tool_name": call["tool_name"],
-                      "status": Status.COMPLETED.value, "result": result})
-        records.finish(task_id, Status.COMPLETED, result, response=(200, body.encode()), release=lock)
+            log.exception("file call %s failed", self.request.id)
+            return self._record_error(call, InternalError("The call failed unexpectedly; it has been logged."), release)
         return {"status": Status.COMPLETED.value}
 
-    def _record_error(self, call: dict[str, Any], error: RunwardenError, lock: str | None) -> dict[str, Any]:
+    def _record_error(self, call: dict[str, Any], error: RunwardenError,
+                      release: str | Sequence[str] | None) -> dict[str, Any]:
         task_id = self.request.id
         body = _json(error.problem() | {"task_id": task_id, "call_id": call["call_id"],
                                         "tool_name": call["tool_name"]})
+        # A single patch's path is its call's own; a patch set's failing entry is named with it.
         result = {"code": error.code, "message": error.detail,
-                  **{k: v for k, v in error.extra.items() if k != "path"}}
+                  **{k: v for k, v in error.extra.items() if k != "path" or "failed_index" in error.extra}}
         self.ctx.records.finish(task_id, Status.FAILED, result, response=(error.status, body.encode()),
-                                release=lock)
+                                release=release)
         if error.status >= 500:
             # A server failure is not the call's outcome: free the key so a retry can run it.
             self.ctx.redis.delete(keys.idempotency(call["tenant"], call["idem_key"]))
@@ -172,6 +191,24 @@ def apply_file_patch(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any
         patches.after_answer()
 
 
+@shared_task(bind=True, base=RunwardenTask, name="runwarden.apply_file_patches", acks_late=True,
+             reject_on_worker_lost=True, ignore_result=True)
+def apply_file_patches(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any]:
+    """All or nothing (workers/patch_sets.py): the locks are taken by the set, not the start."""
+    ctx, task_id = self.ctx, self.request.id
+    started = ctx.records.start(task_id, ctx.name, reentrant=True)
+    if started.status not in ("running", "cancel"):
+        log.info("file call %s not run again: it is %s", task_id, started.status)
+        return {"status": started.status}
+    if hold := ctx.holds.point("patch_set_start", task_id):
+        hold()
+    try:
+        return self.guarded(call, lambda: ctx.patch_sets.run(task_id, call, started.attempts),
+                            ctx.patch_sets.lock_keys(call))
+    finally:
+        ctx.patches.after_answer()
+
+
 @shared_task(bind=True, base=RunwardenTask, name="runwarden.execute_shell_command", acks_late=False,
              ignore_result=True)
 def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any] | None:
@@ -185,7 +222,8 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         # The message is already acked: end the call, or it would stay queued with no exit event.
         log.exception("shell call %s could not subscribe to its control channel", task_id)
         result = {"code": "unavailable", "message": "The call could not run: ConnectionError."}
-        ctx.records.finish(task_id, Status.FAILED, result, exit_json=exit_event(Status.FAILED, error="unavailable"))
+        ctx.records.finish(task_id, Status.FAILED, result,
+                           exit_json=NOT_RUN.exit_event(Status.FAILED, error="unavailable"))
         return None
     try:
         started = ctx.records.start(task_id, ctx.name)
@@ -197,6 +235,8 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
         metrics.output_relayed(result)
         count_output(ctx.redis, call["tenant"], result)
+        if ctx.runner is not None:
+            ctx.runner.after_call()
         return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
     finally:
         with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
@@ -250,11 +290,11 @@ def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: 
         if isinstance(exc, SandboxUnavailable):
             metrics.sandbox_failed()
         result = {"code": exc.code, "message": exc.detail}
-        return Status.FAILED, result, exit_event(Status.FAILED, error=exc.code)
+        return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error=exc.code)
     except Exception as exc:  # Redis, the OS or a bug: the call ends as failed, never silently lost
         log.exception("shell call %s could not run", task_id)
         result = {"code": "unavailable", "message": f"The call could not run: {type(exc).__name__}."}
-        return Status.FAILED, result, exit_event(Status.FAILED, error="unavailable")
+        return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error="unavailable")
 
 
 def reap_lost_calls(records: Records, lease_s: int) -> int:
