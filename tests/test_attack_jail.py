@@ -52,7 +52,8 @@ def test_docs_grant_cannot_read_the_root(make_agent, owner) -> None:
     assert result["stderr"] == "cat: secret.txt: No such file or directory\n", result
     listing = run(docs, "ls -A; ls -A /workspace/docs")
     assert listing["stdout"] == "docs\nreadme.md\n", listing
-    assert SECRET not in run(docs, "cat * */* 2>&1; grep -r secret / 2>/dev/null; true")["stdout"]
+    # Everywhere a command could find files (not /usr, /proc, /sys: the system, not the workspace).
+    assert SECRET not in run(docs, "cat * */* 2>&1; grep -rs secret /workspace /tmp /run /etc /home; true")["stdout"]
 
 
 def test_docs_grant_cannot_write_outside_docs(make_agent, owner) -> None:
