@@ -5,7 +5,7 @@ import time
 
 from flask import Flask, Response, g, request
 from shared.schema import TOOLS
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 REQUESTS = Counter("runwarden_http_requests_total", "HTTP requests by route and status",
@@ -15,9 +15,13 @@ LATENCY = Histogram("runwarden_http_request_seconds", "HTTP request latency by r
                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 TOOL_CALLS = Counter("runwarden_tool_calls_total", "Tool call answers by tool and status",
                      ["tool", "status"], registry=REGISTRY)
+STREAMS_OPEN = Gauge("runwarden_streams_open", "WebSocket streams this API process holds open", registry=REGISTRY)
 
 
 def init_app(app: Flask) -> None:
+    streams = app.extensions["runwarden"].streams
+    STREAMS_OPEN.set_function(lambda: streams.admitted)
+
     @app.before_request
     def start_timer() -> None:
         g.started = time.perf_counter()

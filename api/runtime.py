@@ -7,6 +7,7 @@ import redis
 from celery import Celery
 from flask import current_app
 
+from api.streams import StreamServer
 from shared.idempotency import Idempotency
 from shared.records import Records
 from shared.revocations import Watcher
@@ -24,23 +25,28 @@ class Runtime:
     records: Records
     scheduler: Scheduler
     revocations: Watcher
+    streams: StreamServer
 
     @classmethod
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
-        # Each open stream holds a connection in XREAD BLOCK and each waiting POST one in BLPOP:
-        # the pool must be larger than the server's thread count (redis-py's default cap is 100).
+        # Each waiting POST (and MCP progress stream) holds a connection in BLPOP or XREAD BLOCK: the
+        # pool must be larger than the server's thread count (redis-py's default cap is 100).
+        # WebSocket streams take none of these: the stream server reads for all of them at once.
         client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=10,
                                       health_check_interval=30, retry_on_timeout=False, max_connections=2048)
+        records = Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
+                          lease_s=settings.lease_s)
+        revocations = Watcher(client)
         return cls(
             settings=settings,
             redis=client,
             celery=celery,
             idempotency=Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
                                     Quotas.defaults(settings)),
-            records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
-                            lease_s=settings.lease_s),
+            records=records,
             scheduler=Scheduler(client),
-            revocations=Watcher(client),
+            revocations=revocations,
+            streams=StreamServer(settings, records, revocations),
         )
 
 

@@ -71,6 +71,9 @@ class Settings:
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
+    max_streams: int  # open WebSocket streams one API process holds; beyond, a handshake is a 503
+    stream_send_timeout_s: int  # a stream whose client reads nothing for this long is dropped
+    drain_s: int  # after SIGTERM, how long open streams may run on before they are closed with 1001
     test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
 
     @classmethod
@@ -118,6 +121,10 @@ class Settings:
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
             # platform's servers arrives in milliseconds; a client slower than that holds a thread.
             request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
+            # 5,000 open streams cost one API process ~40 MiB and no thread (docs/PERFORMANCE.md).
+            max_streams=_int(env, "RUNWARDEN_MAX_STREAMS", 5000, 1),
+            stream_send_timeout_s=_int(env, "RUNWARDEN_STREAM_SEND_TIMEOUT", 60, 1),
+            drain_s=_int(env, "RUNWARDEN_DRAIN_S", 20, 0),
             test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 
