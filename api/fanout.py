@@ -93,6 +93,7 @@ class Reader:
         self.wake_id: bytes | str = "0-0"
         self.in_flight = False
         self.woken = False
+        self.wanted = asyncio.Event()  # set by a wake while the reader has no key to read
 
     async def read(self, ids: dict[bytes, str], block_ms: int) -> list[Any]:
         self.in_flight, self.woken = True, False
@@ -108,9 +109,19 @@ class Reader:
                 found.append((key, entries))
         return found
 
+    async def idle(self, timeout_s: float) -> None:
+        """No stream to read for: wait for one without a Redis command (nor a wake key to write)."""
+        self.wanted.clear()
+        try:
+            await asyncio.wait_for(self.wanted.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     def wake(self, spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         """End the current read (once), so that the next one has the keys added since it began."""
-        if self.in_flight and not self.woken:
+        if not self.in_flight:
+            self.wanted.set()
+        elif not self.woken:
             self.woken = True
             spawn(self._wake())
 
@@ -179,6 +190,9 @@ class Fanout:
         while True:
             started = time.monotonic()
             ids = self._ids(streams)
+            if not ids:  # every stream of this tier waits for its client, or there is none
+                await reader.idle(block_ms / 1000)
+                continue
             try:
                 found = await reader.read(ids, block_ms)
             except (RedisError, OSError) as exc:
