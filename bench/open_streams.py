@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,9 +51,27 @@ def post_calls(agent: Agent, url: str, n: int) -> list[str]:
 
 def api_figures(bench: stack_mod.BenchStack) -> dict[str, int]:
     pid = stack_mod.api_worker_pid(bench)
-    clients = int(bench.redis.info("clients")["connected_clients"])
     return {"rss_kib": stack_mod.rss_kib(pid), "threads": stack_mod.status_field(pid, "Threads"),
-            "redis_clients": clients}
+            "redis_connections": redis_connections(pid, int(bench.redis_url.rsplit(":", 1)[1].split("/")[0]))}
+
+
+def redis_connections(pid: int, redis_port: int) -> int:
+    """Established TCP connections of process `pid` to Redis (its socket inodes in /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].split(":")[1], 16) == redis_port and fields[9] in inodes:
+                count += 1
+    return count
 
 
 def probe_healthz(url: str) -> list[float]:
@@ -181,8 +200,8 @@ def measure(bench: stack_mod.BenchStack, n: int) -> dict[str, Any]:
         bench.redis.delete(f"rw:log:{task_id}")
     log(f"  N={n}: {result['opened']} open in {result['open_s']} s; RSS {result['before']['rss_kib'] / 1024:.0f} → "
         f"{result['with_streams']['rss_kib'] / 1024:.0f} MiB ({result['per_stream_kib']:.1f} KiB each), threads "
-        f"{result['before']['threads']} → {result['with_streams']['threads']}, Redis clients "
-        f"{result['before']['redis_clients']} → {result['with_streams']['redis_clients']}; /healthz p50 "
+        f"{result['before']['threads']} → {result['with_streams']['threads']}, API's Redis connections "
+        f"{result['before']['redis_connections']} → {result['with_streams']['redis_connections']}; /healthz p50 "
         f"{result['healthz_ms']['p50']:.1f} p99 {result['healthz_ms']['p99']:.1f} ms; beyond the limit "
         f"{result['beyond_limit']}; {result['ended_with_one_exit_and_1000']}/{n} ended with their exit "
         f"{result['cancel_to_last_exit_s']} s after the cancels began")
@@ -203,7 +222,7 @@ def relay(bench: stack_mod.BenchStack, reps: int) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    rows = ["| N | opened | open time | API RSS before → with (per stream) | threads | Redis clients | "
+    rows = ["| N | opened | open time | API RSS before → with (per stream) | threads | API's Redis connections | "
             "/healthz p50 / p95 / max | beyond the limit | cancel → every exit | ended with exit + 1000 |",
             "| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |"]
     for r in results["sizes"]:
@@ -211,7 +230,7 @@ def markdown(results: dict[str, Any]) -> str:
         rows.append(
             f"| {r['streams']:,} | {r['opened']:,} | {r['open_s']} s | {b['rss_kib'] / 1024:.0f} → "
             f"{w['rss_kib'] / 1024:.0f} MiB ({r['per_stream_kib']:.1f} KiB) | {b['threads']} → {w['threads']} | "
-            f"{b['redis_clients']} → {w['redis_clients']} | {h['p50']:.1f} / {h['p95']:.1f} / "
+            f"{b['redis_connections']} → {w['redis_connections']} | {h['p50']:.1f} / {h['p95']:.1f} / "
             f"{h['max']:.1f} ms | {x['statuses']} in ≤ {x['max_ms']:.0f} ms, Retry-After {x['retry_after']} | "
             f"{r['cancel_to_last_exit_s']} s | {r['ended_with_one_exit_and_1000']:,} |")
     if "relay" in results:
