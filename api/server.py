@@ -166,6 +166,8 @@ def detach(environ: dict[str, Any]) -> tuple[socket.socket, bytes]:
     conn: Connection | None = getattr(_serving, "conn", None)
     if conn is None or conn.sock is not environ.get("gunicorn.socket") or conn.is_http2:
         raise errors.Unavailable("This server cannot hand streams over (serve the API with api.server.Worker).")
+    if isinstance(conn.sock, ssl.SSLSocket):  # its TLS state cannot move to the event loop
+        raise errors.Unavailable("Streams need TLS terminated in front of gunicorn, not by it.")
     conn.detached = True
     sock = conn.sock
     assert isinstance(sock, socket.socket)
