@@ -220,7 +220,8 @@ class StreamServer:
     def _keep_alive(self, conn: WsConnection, now: float) -> bool:
         """Pings and timeouts of one connection; False once it is being dropped."""
         if conn.paused_at is not None and now - conn.paused_at > self.settings.stream_send_timeout_s:
-            log.info("dropping a stream whose client stopped reading")
+            log.warning("dropping a stream whose client stopped reading (%d s); it may resume with after_seq",
+                        self.settings.stream_send_timeout_s)
             conn.abort()
             return False
         if conn.closing_at is not None:

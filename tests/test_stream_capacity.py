@@ -193,19 +193,26 @@ def test_a_client_that_stops_reading_is_dropped_and_the_call_and_other_readers_g
     task_id = post(agent, GATE.format(gate=gate) + f"; head -c {size} /dev/zero | tr '\\0' y")
     stalled = raw_upgrade(agent, task_id, receive_buffer=4096)  # reads nothing from here on
     reader = connect(agent, task_id)
+    api_log = wide.logs / "api.log"
+    logged = api_log.stat().st_size
     try:
         before = open_count(wide)
         agent.workspace.mkdir(parents=True, exist_ok=True)
         (agent.workspace / gate).touch()
         received = collect(reader)
-        # Dropped after RUNWARDEN_STREAM_SEND_TIMEOUT: the server resets it instead of holding its backlog.
-        wait_until(lambda: open_count(wide) <= before - 2, 60, "the stalled client to be dropped")
+        # Dropped after RUNWARDEN_STREAM_SEND_TIMEOUT (not by the later ping timeout): the server
+        # resets it instead of holding its backlog.
+        wait_until(lambda: DROPPED in api_log.read_bytes()[logged:], 60, "the stalled client to be dropped")
+        wait_until(lambda: open_count(wide) <= before - 2, 60, "the stalled client's stream to be gone")
         assert drained_to_reset(stalled)
     finally:
         reader.close()
         stalled.close()
     assert received.bytes_of("stdout") == b"y" * size and received.exit["exit_code"] == 0
     assert received.close_code == 1000
+
+
+DROPPED = b"dropping a stream whose client stopped reading"
 
 
 def drained_to_reset(sock: socket.socket) -> bool:
