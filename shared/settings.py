@@ -121,7 +121,7 @@ class Settings:
             # 15 s: a whole request (the largest body, 2 MiB, needs ~1.1 Mbit/s) from an agent
             # platform's servers arrives in milliseconds; a client slower than that holds a thread.
             request_timeout_s=_int(env, "RUNWARDEN_REQUEST_TIMEOUT", 15, 1),
-            # 5,000 open streams cost one API process ~40 MiB and no thread (docs/PERFORMANCE.md).
+            # 5,000 open streams cost one API process ~85 MiB and no thread (docs/PERFORMANCE.md).
             max_streams=_int(env, "RUNWARDEN_MAX_STREAMS", 5000, 1),
             stream_send_timeout_s=_int(env, "RUNWARDEN_STREAM_SEND_TIMEOUT", 60, 1),
             drain_s=_int(env, "RUNWARDEN_DRAIN_S", 20, 0),
