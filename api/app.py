@@ -13,17 +13,12 @@ from shared import logs
 from shared.settings import Settings
 from shared.celery_app import create_celery
 
-MAX_CLIENT_MESSAGE = 4096
-
 
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask("runwarden", static_folder=None)
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,  # 413 before the body is parsed
-        # Pings keep a silent stream (a 60 s command printing nothing) open through idle-timeout proxies.
-        SOCK_SERVER_OPTIONS={"subprotocols": ["runwarden.v1"], "max_message_size": MAX_CLIENT_MESSAGE,
-                             "ping_interval": 25},
         JSON_SORT_KEYS=False,
     )
     app.extensions["runwarden"] = Runtime.build(settings, create_celery(settings))
@@ -40,7 +35,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(meta.bp)
     app.register_blueprint(stream.bp)
     app.register_blueprint(workspaces.bp)  # its PUT sets its own body limit, above MAX_CONTENT_LENGTH
-    stream.sock.init_app(app)
     if settings.trusted_proxies:
         # Only then are X-Forwarded-For/-Proto/-Host/-Port/-Prefix believed, and only the last
         # `trusted_proxies` values of each (the ones our own proxies appended).

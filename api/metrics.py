@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from flask import Flask, Response, g, request
 from prometheus_client import Counter, Gauge, Histogram
@@ -48,13 +46,6 @@ def idempotency(result: str) -> None:
 
 def quota_refused(quota: str) -> None:
     QUOTA_REFUSALS.labels(quota if quota in QUOTAS else "other").inc()
-
-
-@contextmanager
-def stream_open() -> Iterator[None]:
-    """Around an upgraded stream's life."""
-    with STREAMS_OPEN.track_inprogress():
-        yield
 
 
 def exposition(settings: Settings) -> Response:

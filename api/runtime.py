@@ -7,6 +7,7 @@ import redis
 from celery import Celery
 from flask import current_app
 
+from api.streams import StreamServer
 from shared import connections
 from shared.idempotency import Idempotency, Releases
 from shared.placement import Placement
@@ -28,26 +29,31 @@ class Runtime:
     scheduler: Scheduler
     revocations: Watcher
     placement: Placement
+    streams: StreamServer
 
     @classmethod
     def build(cls, settings: Settings, celery: Celery) -> "Runtime":
-        # Each open stream holds a connection in XREAD BLOCK and each waiting POST one in BLPOP:
-        # the pool must be larger than the server's thread count (redis-py's default cap is 100).
+        # Each waiting POST (and MCP progress stream) holds a connection in BLPOP or XREAD BLOCK: the
+        # pool must be larger than the server's thread count (redis-py's default cap is 100).
+        # WebSocket streams take none of these: the stream server reads for all of them at once.
         client = connections.connect(settings, socket_connect_timeout=2, socket_timeout=10,
                                      health_check_interval=30, retry_on_timeout=False, max_connections=2048)
         idempotency = Idempotency(client, settings.idempotency_ttl_s, settings.rate_limit_per_s,
                                   Quotas.defaults(settings), settings.placement == "node")
+        records = Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
+                          lease_s=settings.lease_s)
+        revocations = Watcher(client)
         return cls(
             settings=settings,
             redis=client,
             celery=celery,
             idempotency=idempotency,
             releases=Releases(idempotency),
-            records=Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
-                            lease_s=settings.lease_s),
+            records=records,
             scheduler=Scheduler(client),
-            revocations=Watcher(client),
+            revocations=revocations,
             placement=Placement(client),
+            streams=StreamServer(settings, records, revocations),
         )
 
 

@@ -1,6 +1,6 @@
 """How gunicorn serves the API: `gunicorn --worker-class api.server.Worker 'api.app:create_app()'`.
 
-The worker is gunicorn's gthread worker (a thread per request or open stream) with four changes:
+The worker is gunicorn's gthread worker (a thread per request) with these changes:
 
 - **A bound on receiving a request** (`RUNWARDEN_REQUEST_TIMEOUT`). gthread reads a request's headers
   and body with blocking reads that never time out (`--timeout 0`, as streams are long-lived), so a
@@ -21,11 +21,19 @@ The worker is gunicorn's gthread worker (a thread per request or open stream) wi
   its event loop, lingering up to 2 s for the client's FIN (RFC 9112 §9.6), and serves no other
   connection meanwhile: every client that does not close would freeze the server for 2 s. Here that
   linger runs on the request's thread, and a connection whose request timed out is closed at once.
+- **Streams leave the thread pool.** A WebSocket handshake accepted by the application `detach`es
+  its connection: gunicorn neither answers nor closes it, and the process's stream server
+  (`api/streams.py`) serves it on its event loop. The thread is free once the handshake is checked.
+- **SIGTERM drains.** The worker closes its listening sockets at once (a new connection is refused,
+  not left in the backlog), finishes its requests as gthread does, and waits for the stream
+  server's drain (RUNWARDEN_DRAIN_S, then 1001) before it exits. gunicorn's `--graceful-timeout`
+  must exceed RUNWARDEN_DRAIN_S by a few seconds, or the arbiter kills the worker first.
 """
 from __future__ import annotations
 
 import errno
 import json
+import socket
 import ssl
 import threading
 import time
@@ -122,12 +130,14 @@ class TimedUnreader(SocketUnreader):
 
 
 class Connection(gthread.TConn):
-    """gthread's connection, reading through a TimedUnreader, and closed only once."""
+    """gthread's connection, reading through a TimedUnreader, closed only once, and never once it was
+    detached (its socket is the stream server's)."""
 
     def __init__(self, cfg: Any, sock: Any, client: Any, server: Any, timeout_s: float) -> None:
         super().__init__(cfg, sock, client, server)
         self.clock = RequestClock(timeout_s)
         self.closed = False
+        self.detached = False
 
     def init(self) -> None:
         fresh = self.parser is None
@@ -139,7 +149,7 @@ class Connection(gthread.TConn):
             self.parser.unreader = TimedUnreader(self.sock, self.clock)
 
     def close(self, graceful: bool = False) -> None:
-        if not self.closed:  # closed by its thread already, then again by gthread's event loop
+        if not self.closed and not self.detached:  # closed by its thread already, then again by gthread's loop
             self.closed = True
             super().close(graceful)
 
@@ -155,10 +165,40 @@ def allow_request_time(timeout_s: float) -> None:
         clock.allow(timeout_s)
 
 
+class HandedOver(Response):
+    """What a view returns once it `detach`ed its connection: gunicorn writes nothing and forgets the
+    connection (the worker catches what this raises)."""
+
+    def __call__(self, environ: Any, start_response: Any) -> Any:
+        raise _Detached()
+
+
+class _Detached(Exception):
+    pass
+
+
+_serving = threading.local()  # the Connection whose request this thread is serving
+
+
+def detach(environ: dict[str, Any]) -> tuple[socket.socket, bytes]:
+    """Take the connection of the request being served away from gunicorn: its socket, and what the
+    client sent behind the request that gunicorn already read. The view then returns HandedOver()."""
+    conn: Connection | None = getattr(_serving, "conn", None)
+    if conn is None or conn.sock is not environ.get("gunicorn.socket") or conn.is_http2:
+        raise errors.Unavailable("This server cannot hand streams over (serve the API with api.server.Worker).")
+    if isinstance(conn.sock, ssl.SSLSocket):  # its TLS state cannot move to the event loop
+        raise errors.Unavailable("Streams need TLS terminated in front of gunicorn, not by it.")
+    conn.detached = True
+    sock = conn.sock
+    assert isinstance(sock, socket.socket)
+    return sock, conn.parser.unreader.take_buffered()
+
+
 class Worker(gthread.ThreadWorker):
     """gthread with the changes the module docstring lists."""
 
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    runtime: Any = None  # runwarden's Runtime, once the application is loaded
 
     def init_process(self) -> None:
         # This process's copy of the configuration. Trusting no peer would be enough, but a peer on
@@ -169,9 +209,30 @@ class Worker(gthread.ThreadWorker):
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
-        runtime = getattr(self.wsgi, "extensions", {}).get("runwarden")
-        if runtime is not None:
-            self.request_timeout_s = runtime.settings.request_timeout_s
+        self.runtime = getattr(self.wsgi, "extensions", {}).get("runwarden")
+        if self.runtime is not None:
+            self.request_timeout_s = self.runtime.settings.request_timeout_s
+
+    def handle_exit(self, sig: Any, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self.runtime is not None:
+            self.runtime.streams.begin_drain()
+
+    def set_accept_enabled(self, enabled: bool) -> None:
+        super().set_accept_enabled(enabled)
+        if not enabled and not self.alive:
+            # Stopping: gthread would keep its copy of each listening socket open until it exits, so
+            # connections would wait in the backlog, unanswered, for the whole drain. Closed, they
+            # are refused at once (the arbiter closed its own copies already) and go to another pod.
+            for listener in self.sockets:
+                listener.close()
+
+    def run(self) -> None:
+        super().run()
+        if self.runtime is not None:
+            self.runtime.streams.begin_drain()  # the arbiter may also stop us without SIGTERM
+            if not self.runtime.streams.wait_drained():
+                self.log.warning("streams still open at the end of the drain")
 
     def accept(self, listener: Any) -> None:
         """gthread's own, making a `Connection`."""
@@ -195,10 +256,14 @@ class Worker(gthread.ThreadWorker):
 
     def handle_request(self, req: Any, conn: Connection) -> Any:
         _handling.clock = conn.clock
+        _serving.conn = conn
         try:
             return super().handle_request(req, conn)
+        except _Detached:
+            return False  # the stream server has it: nothing to write, nothing to keep alive
         finally:
             _handling.clock = None
+            _serving.conn = None
             conn.clock.stop()  # later reads are gthread's drain of an unread body, bounded by it
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:

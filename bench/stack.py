@@ -69,7 +69,7 @@ class _Retarget(devstack.Stack):
         return self.real.start(self.name, [self.new if arg == self.old else arg for arg in argv], env, log)
 
 
-def start(logs: Path) -> BenchStack:
+def start(logs: Path, **extra_env: str) -> BenchStack:
     stack = devstack.Stack()
     root = devstack.reachable_dir("runwarden-bench-")  # so bwrap runs unprivileged, as in the tests
     logs.mkdir(parents=True, exist_ok=True)
@@ -90,6 +90,7 @@ def start(logs: Path) -> BenchStack:
             "BENCH_FLOOR_ROOT": str(root / "floor"),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            **extra_env,
         })
         settings = Settings.from_env(env)
         floor_sandbox.build(settings, root / "floor")  # writes the floor's /etc files before its worker starts
@@ -112,6 +113,17 @@ def start(logs: Path) -> BenchStack:
         raise
     return BenchStack(stack, root, logs, env, secret, redis_url, api_url, floor_url, api, worker, floor_api,
                       floor_worker, settings)
+
+
+def restart_api(bench: BenchStack, **settings: str) -> None:
+    """Replace the API process with one started with `settings` added to the stack's environment."""
+    devstack.stop_process(bench.api)
+    bench.stack.children = [(name, child) for name, child in bench.stack.children if child is not bench.api]
+    port = devstack.free_port()
+    bench.api = devstack.start_api(bench.stack, {**bench.env, **settings}, HOST, port,
+                                   log=bench.logs / f"api-{port}.log")
+    bench.api_url = f"http://{HOST}:{port}"
+    devstack.wait_for(lambda: devstack.http_ok(f"{bench.api_url}/readyz"), 90, "the restarted API", bench.stack)
 
 
 def _floor_worker_answers(floor_url: str) -> bool:

@@ -23,6 +23,7 @@ def summary(samples_ms: list[float]) -> dict[str, Any]:
         "n": len(values),
         "p50": percentile(values, 0.50),
         "p90": percentile(values, 0.90),
+        "p95": percentile(values, 0.95),
         "p99": percentile(values, 0.99),
         "mean": sum(values) / len(values),
         "min": values[0],

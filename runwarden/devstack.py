@@ -79,12 +79,7 @@ class Stack:
     def stop(self, timeout_s: float = 15) -> None:
         """Stop in reverse start order (API, workers, then Redis): SIGTERM, then SIGKILL after a wait."""
         for _, process in reversed(self.children):
-            _signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait()
+            stop_process(process, timeout_s)
         self.children.clear()
         for path in self.scratch:
             shutil.rmtree(path, ignore_errors=True)
@@ -95,6 +90,16 @@ class Stack:
             if process.poll() is not None:
                 return f"{name} exited with {process.returncode}"
         return None
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
+    """SIGTERM to the child's process group, then SIGKILL after `timeout_s`."""
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+        process.wait()
 
 
 def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
@@ -158,11 +163,13 @@ def start_worker(stack: Stack, env: dict[str, str], *, concurrency: int = 2, nam
 
 def start_api(stack: Stack, env: dict[str, str], host: str, port: int, *, threads: int = 256,
               log: Path | None = None) -> subprocess.Popen[bytes]:
+    """gunicorn as README's production line runs it. The graceful timeout covers the default
+    RUNWARDEN_DRAIN_S (20 s) of open streams plus their closing handshakes."""
     env = {**env, **stack.metrics_dir("api")}
     stack.metrics["api"] = f"http://{host}:{port}/metrics"
     argv = [sys.executable, "-m", "gunicorn", "--worker-class", "api.server.Worker", "--workers", "1",
             "--threads", str(threads), "--bind", f"{host}:{port}", "--timeout", "0",
-            "--graceful-timeout", "5", "--keep-alive", "30", "api.app:create_app()"]
+            "--graceful-timeout", "30", "--keep-alive", "30", "api.app:create_app()"]
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         # As the image does: gunicorn touches its heartbeat file on every event-loop turn, which
         # its docs warn can block on a disk-backed directory (here: behind the patches' fsyncs).

@@ -182,6 +182,14 @@ def revoked_jti(jti: str, tenant: str | None = None) -> str:
     return f"{PREFIX}:revoked:{jti}" if tenant is None else f"{PREFIX}:revoked:{tenant}:{jti}"
 
 
+def stream_wake(instance: str, reader: str) -> str:
+    """Stream (one entry, an hour's TTL): written to wake one of an API process's two stream readers
+    (`api/fanout.py`, `reader` "hot" or "quiet") from its XREAD BLOCK, so that it reads again with
+    the keys of streams opened meanwhile. Part of the reader's own XREAD, so a wake sent before
+    the read reached Redis still ends it at once."""
+    return f"{PREFIX}:wake:{instance}:{reader}"
+
+
 REVOCATIONS = f"{PREFIX}:revocations"  # sorted set: revoked jti (or "tenant\0jti") → expiry, polled by streams
 
 

@@ -47,10 +47,11 @@ class Watcher:
         self._thread: threading.Thread | None = None
 
     def revoked(self, jti: str, tenant: str) -> bool:
-        self._start()
+        self.start()
         return jti in self.entries or watch_entry(jti, tenant) in self.entries
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Read the revocations now and keep them fresh from then on (once; idempotent)."""
         if self._thread is None:
             with self._started:
                 if self._thread is None:

@@ -78,6 +78,9 @@ class Settings:
     public_url: str  # base of every stream_url, no trailing "/"; "" means the request's own host
     trusted_proxies: int  # proxy hops whose X-Forwarded-* are believed
     request_timeout_s: int  # to receive one request's headers and body
+    max_streams: int  # open WebSocket streams one API process holds; beyond, a handshake is a 503
+    stream_send_timeout_s: int  # a stream whose client reads nothing for this long is dropped
+    drain_s: int  # after SIGTERM, how long open streams may run on before they are closed with 1001
     upload_timeout_s: int  # the same for a workspace upload or clone, and to answer it
     workspace_max_files: int  # entries of one workspace an upload or clone may hold
     workspace_idle_ttl_s: int  # a workspace unused this long is deleted
@@ -155,6 +158,10 @@ class Settings:
             worker_metrics_host=env.get("RUNWARDEN_WORKER_METRICS_HOST", "") or "0.0.0.0",
             audit_maxlen=_int(env, "RUNWARDEN_AUDIT_MAXLEN", 100_000, 1),
             log_format=log_format,
+            # 5,000 open streams cost one API process ~85 MiB and no thread (docs/PERFORMANCE.md).
+            max_streams=_int(env, "RUNWARDEN_MAX_STREAMS", 5000, 1),
+            stream_send_timeout_s=_int(env, "RUNWARDEN_STREAM_SEND_TIMEOUT", 60, 1),
+            drain_s=_int(env, "RUNWARDEN_DRAIN_S", 20, 0),
             test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
         )
 

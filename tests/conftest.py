@@ -55,6 +55,7 @@ def stack_env(tmp: Path, redis_url: str, secret: str, **overrides: str) -> dict[
         "RUNWARDEN_LEASE": "3",
         "RUNWARDEN_KILL_GRACE_MS": "500",
         "RUNWARDEN_VISIBILITY_TIMEOUT": "120",
+        "RUNWARDEN_DRAIN_S": "2",  # a stack stopped with streams open exits soon
         "PYTHONUNBUFFERED": "1",
         **overrides,
     })
