@@ -131,6 +131,7 @@ redis.call('HSET', KEYS[2], 'queue', queue)
 if redis.call('LLEN', RING .. queue) == 0
    and redis.call('SCARD', INFLIGHT .. queue) < capacity(queue, tonumber(ARGV[8])) then
   redis.call('SADD', INFLIGHT .. queue, ARGV[2])
+  redis.call('HSET', KEYS[2], 'dispatched_ms', ARGV[8])
   return {'direct', queue}
 end
 redis.call('SADD', HOLDERS .. queue, ARGV[4])  -- so that heal finds it, should the kick not come

@@ -52,6 +52,7 @@ local function dispatch(queue, now)
       local status = redis.call('HGET', TASK .. id, 'status')
       if status == 'queued' or status == 'running' then  -- a cancelled or forgotten call is dropped
         redis.call('SADD', INFLIGHT .. queue, id)
+        redis.call('HSET', TASK .. id, 'dispatched_ms', now)
         redis.call('LPUSH', queue, message)
         moved = moved + 1
       end
@@ -81,7 +82,8 @@ return dispatch(ARGV[1], tonumber(ARGV[3]))
 """
 
 # KEYS: the queue's workers (heartbeats), the concurrency hash, its ring, members, holders, inflight.
-# ARGV: queue, worker name, pool processes, heartbeat expiry ms, now ms.
+# ARGV: queue, worker name, pool processes, heartbeat expiry ms, now ms, how long a given call may
+# stay queued before its slot is taken back (ms).
 # A worker's heartbeat for one queue it consumes; then the repairs: a tenant whose hold queue holds
 # messages but is not in the ring (a redelivered message went back there) rejoins it, and an
 # in-flight slot whose call has ended or is gone is freed.
@@ -95,12 +97,23 @@ for _, tenant in ipairs(redis.call('SMEMBERS', KEYS[5])) do
     redis.call('SREM', KEYS[5], tenant)
   end
 end
+local stale = tonumber(ARGV[5]) - tonumber(ARGV[6])
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[6])) do
-  local status = redis.call('HGET', TASK .. id, 'status')
-  if status ~= 'queued' and status ~= 'running' then redis.call('SREM', KEYS[6], id) end
+  local status, since = unpack(redis.call('HMGET', TASK .. id, 'status', 'dispatched_ms'))
+  -- Ended or gone; or still queued long after it was given to the queue, whose message a crash
+  -- lost (a claim whose reply never came back, an API that died before publishing): its slot
+  -- comes back. Should its message exist after all, it still runs; the queue is over capacity by one.
+  if (status ~= 'queued' and status ~= 'running') or (status == 'queued' and tonumber(since or '0') < stale) then
+    redis.call('SREM', KEYS[6], id)
+  end
 end
 return dispatch(ARGV[1], tonumber(ARGV[5]))
 """
+
+
+# A call given to its Celery queue starts within about one call's time; one still queued a minute
+# later lost its message to a crash (see _HEAL).
+STALE_DISPATCH_MS = 60_000
 
 
 def hold_queue(queue: str, tenant: str) -> str:
@@ -129,7 +142,7 @@ class Scheduler:
         return int(self._heal(
             keys=[keys.queue_workers(queue), keys.CONCURRENCY, keys.ring(queue), keys.ring_members(queue),
                   keys.ring_holders(queue), keys.inflight(queue)],
-            args=[queue, worker, processes, now + int(ttl_s * 1000), now]))
+            args=[queue, worker, processes, now + int(ttl_s * 1000), now, STALE_DISPATCH_MS]))
 
     def leave(self, queue: str, worker: str) -> None:
         """A worker that stops takes its pool out of the queue's capacity at once."""

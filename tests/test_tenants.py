@@ -171,3 +171,13 @@ def test_a_tenants_backlog_delays_another_by_at_most_one_call_per_pool_process(s
     pool_processes = 2  # the session's worker: `--concurrency 2`
     assert ahead <= pool_processes, ahead
     assert stack.redis.scard(keys.inflight(keys.SHELL_QUEUE)) <= pool_processes
+
+
+def test_a_queue_slot_lost_to_a_crash_comes_back(stack: StackInfo) -> None:
+    """A call given to the shell queue whose message a crash lost (its claim's reply never came
+    back, say) stays queued: the workers' heal takes its slot back, or the queue would shrink."""
+    ghost = f"ghost-{uuid.uuid4()}"
+    stack.redis.hset(keys.task(ghost), mapping={"status": "queued", "dispatched_ms": int(time.time() * 1000) - 120_000})
+    stack.redis.expire(keys.task(ghost), 600)
+    stack.redis.sadd(keys.inflight(keys.SHELL_QUEUE), ghost)
+    wait_for(lambda: not stack.redis.sismember(keys.inflight(keys.SHELL_QUEUE), ghost), "the heal to free the slot")
