@@ -19,17 +19,10 @@ import pytest
 from shared.errors import PathForbidden, SandboxUnavailable
 from shared.paths import shell_view
 from shared.settings import Settings
+from tests.waiting import run
 from workers import sandbox
 
 SECRET = "top secret at the root\n"
-
-
-def run(agent, command: str, **parameters) -> dict:  # type: ignore[no-untyped-def]
-    response = agent.shell(command, wait=30, **parameters)
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["status"] == "completed", body
-    return body["result"]
 
 
 @pytest.fixture

@@ -20,15 +20,7 @@ import pytest
 from shared.settings import Settings
 from workers.cgroups import Cgroups
 from tests.streams import Received, connect
-from tests.waiting import cancel, ended, wait_until
-
-
-def run(agent, command: str, **parameters) -> dict:  # type: ignore[no-untyped-def]
-    response = agent.shell(command, wait=30, **parameters)
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["status"] == "completed", body
-    return body["result"]
+from tests.waiting import cancel, ended, run, wait_until
 
 
 def host_processes_of(stack, name: str) -> list[int]:  # type: ignore[no-untyped-def]

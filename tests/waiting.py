@@ -37,3 +37,12 @@ def cancel(agent: Any, task_id: str) -> None:
     response = agent.http.delete(f"{agent.stack.base_url}/v1/tool-calls/{task_id}",
                                  headers={"Authorization": f"Bearer {agent.token}"}, timeout=30)
     assert response.status_code in (200, 202), response.text
+
+
+def run(agent, command: str, **parameters) -> dict:  # type: ignore[no-untyped-def]
+    """A shell call that must complete (whatever its exit code): its result."""
+    response = agent.shell(command, wait=30, **parameters)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "completed", body
+    return body["result"]
