@@ -42,8 +42,7 @@ def spawn_true(floor: FloorSandbox, *, cgroup: bool = False) -> int:
     """`bwrap … -- /bin/bash -c true` as a shell call starts it, waited for and cleaned up."""
     runner = floor.product if cgroup else floor.bare
     process = runner.spawn("true", floor.workspace, "", False)
-    process.popen.communicate()
-    return process.popen.returncode
+    return sandbox.communicate(process, timeout_s=30)[0]
 
 
 def bare_true() -> int:

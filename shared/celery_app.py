@@ -51,5 +51,4 @@ def create_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
-    app.runwarden_settings = settings  # type: ignore[attr-defined]
     return app
