@@ -231,7 +231,8 @@ def test_a_mount_swapped_in_after_the_check_is_caught(runner, root, old_bwrap: b
     try:
         (ws / "docs" / "decoy").write_text("not the workspace\n")
         os.chmod(ws / "docs", 0o777)
-        process = jail._spawn("cat docs/decoy; touch docs/ran", ws, "", False, binds)
+        process, stdin = jail._spawn(ws, False, binds)
+        sandbox.write_frame(stdin, "", "cat docs/decoy; touch docs/ran")
         code, out, err = sandbox.communicate(process, timeout_s=30)
         assert out == b"" and not (ws / "docs" / "ran").exists(), (out, err)
         if old_bwrap:

@@ -10,15 +10,19 @@ inside, including ones that called `setsid` or `nohup`, so no process outlives i
 Spawning is on the hot path of every shell call, so nothing runs in Python between fork and exec
 (a `preexec_fn` forces a full fork() of the ~70 MB pool process: +8 ms a call, measured in bench/);
 subprocess then uses vfork. What used to run there moved: the rlimits are set by the sandbox's
-first bash before it becomes the command, the sandbox is born in its cgroup (cgroup v1: the spawning
-thread steps into it around the spawn) or moved into it while bwrap waits on `--block-fd` (v2),
-and the uid drop is `setpriv`'s exec.
+one bash, which then reads the command from its stdin and runs it (base.COMMAND_READER), the
+sandbox is born in its cgroup (cgroup v1: the spawning thread steps into it around the spawn) or
+moved into it while bwrap waits on `--block-fd` (v2), and the uid drop is `setpriv`'s exec.
+(Setting the rlimits from here instead, around the spawn, would need CAP_SYS_RESOURCE to raise the
+pool process's own hard limits back, which root lacks in some VMs and containers, this one included.)
 """
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -30,8 +34,8 @@ from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers import workspace as workspace_files
 from workers.cgroups import Cgroups
-from workers.sandbox.base import (SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_prelude, check_cwd,
-                                  environment, let_commands_start_with_default_signals)
+from workers.sandbox.base import (COMMAND_READER, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
+                                  check_cwd, environment, let_commands_start_with_default_signals, write_frame)
 
 _SYSTEM_DIRS = ("/usr", "/opt/conda")  # read-only; /bin, /lib… are symlinks into /usr on merged-usr systems
 _LIVE_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts")  # bound live, over placeholders, for shell:network
@@ -56,7 +60,8 @@ class BwrapRunner:
         self.etc_dir = etc_dir
         self._binds_by_fd = "--bind-fd" in features
         self._system = self._system_options()
-        self._prelude = backstop_prelude(limits, cgroups is not None)
+        self._limits = backstop_ulimits(limits, cgroups is not None)
+        self._setpriv_ids = _names_for(host_uid) if host_uid is not None else ("", "")
 
     def meter(self) -> usage.Meter:
         return usage.start(self.cgroups.for_this_process()) if self.cgroups else usage.NO_METER
@@ -83,10 +88,11 @@ class BwrapRunner:
         tmp_size = ["--size", str(self.limits.file_bytes)] if "--size" in self.features else []
         return args + ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--tmpfs", "/run"]
 
-    def argv(self, command: str, workspace: Path, cwd: str, network: bool, info_fd: int,
-             block_fd: int | None = None, binds: list[tuple[str, int]] | None = None) -> list[str]:
-        """`binds`: (path in the workspace, fd opened on it) of a partial view; None: all of it."""
-        args = [self.bwrap, "--info-fd", str(info_fd), *self._system]
+    def argv(self, workspace: Path, network: bool, info_fd: int, block_fd: int | None = None,
+             binds: list[tuple[str, int]] | None = None, status_option: str = "--info-fd") -> list[str]:
+        """`binds`: (path in the workspace, fd opened on it) of a partial view; None: all of it.
+        The command is not in it: the sandbox's bash reads it from its stdin (base.frame)."""
+        args = [self.bwrap, status_option, str(info_fd), *self._system]
         if block_fd is not None:
             args += ["--block-fd", str(block_fd)]  # set up, then wait for us before starting the command
         if network:
@@ -95,11 +101,11 @@ class BwrapRunner:
                 if os.path.exists(path):
                     args += ["--ro-bind", path, path]  # over the placeholders build_etc left
         args += self._workspace_options(workspace, binds)
-        args += ["--chdir", f"{SANDBOX_HOME}/{cwd}".rstrip("/"), "--clearenv"]
+        args += ["--chdir", SANDBOX_HOME, "--clearenv"]
         for key, value in environment().items():
             args += ["--setenv", key, value]
-        prelude = self._prelude if binds is None or self._binds_by_fd else _fd_checks(binds) + self._prelude
-        return args + ["--", "/bin/bash", "-c", prelude, "/bin/bash", command]
+        checks = "" if binds is None or self._binds_by_fd else _fd_checks(binds)
+        return args + ["--", "/bin/bash", "-c", self._limits + checks + COMMAND_READER, "/bin/bash"]
 
     def _workspace_options(self, workspace: Path, binds: list[tuple[str, int]] | None) -> list[str]:
         """The whole workspace (one mount: the `**` grant stays as cheap as it was), or only the
@@ -126,15 +132,18 @@ class BwrapRunner:
         binds = None if view.whole else _open_view(workspace, view)
         meter = self.meter()
         try:
-            return self._spawn(command, workspace, cwd, network, binds, meter)
+            process, stdin = self._spawn(workspace, network, binds, meter)
         except BaseException:
             meter.stop()  # lets go of what it holds open
             raise
         finally:
             _close(*(fd for _, fd in binds or ()))
+        write_frame(stdin, cwd, command)
+        return process
 
-    def _spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-               binds: list[tuple[str, int]] | None, meter: usage.Meter = usage.NO_METER) -> PopenProcess:
+    def _spawn(self, workspace: Path, network: bool, binds: list[tuple[str, int]] | None,
+               meter: usage.Meter = usage.NO_METER) -> tuple[PopenProcess, int]:
+        """The sandbox, started and waiting for its command, and the write end of its stdin."""
         let_commands_start_with_default_signals()
         cgroup = self.cgroups.for_this_process() if self.cgroups else None
         born_inside = cgroup is not None and cgroup.spawns_inside
@@ -144,23 +153,24 @@ class BwrapRunner:
         # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
         # show host paths such as the workspaces root.
         options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
-        argv = self.argv(command, workspace, cwd, network, info_write, block_read, binds)
+        argv = self.argv(workspace, network, info_write, block_read, binds)
         split = argv.index("--")
         os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
         os.lseek(options, 0, os.SEEK_SET)
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
         popen = None
         try:
             with cgroup.joined_by_this_thread() if cgroup and born_inside else contextlib.nullcontext():
-                popen = self._popen(argv[split:], options,
+                popen = self._popen(argv[split:], options, stdin_read,
                                     [info_write, options, block_read, *(fd for _, fd in binds or ())])
         except BaseException:
             if popen is not None:  # started, but this thread could not leave the call's cgroup
                 PopenProcess(popen, group_leader=popen.pid).kill()  # bwrap's group: its child is still in it
                 popen.wait()
-            _close(info_read, block_write)
+            _close(info_read, block_write, stdin_write)
             raise
         finally:
-            _close(info_write, options, block_read)
+            _close(info_write, options, block_read, stdin_read)
         try:
             info = _read_all(info_read)
         finally:
@@ -168,7 +178,7 @@ class BwrapRunner:
         try:
             child = int(json.loads(info)["child-pid"])
         except (ValueError, KeyError):
-            _close(block_write)
+            _close(block_write, stdin_write)
             stderr = popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
             raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
         process = PopenProcess(popen, child, meter, sandbox_init=True)
@@ -178,29 +188,47 @@ class BwrapRunner:
             except OSError as exc:
                 process.kill()  # never let it run unbounded: bwrap reads EOF as "go" too
                 popen.wait()
+                process.close()
+                _close(stdin_write)
                 raise SandboxUnavailable(f"cannot move the sandbox into its cgroup: {exc}") from None
             finally:
                 _close(block_write)
-        return process
+        return process, stdin_write
 
-    def _popen(self, command: list[str], options: int, fds: list[int | None]) -> subprocess.Popen[bytes]:
+    def _popen(self, command: list[str], options: int, stdin: int, fds: list[int | None]) -> subprocess.Popen[bytes]:
         """Start bwrap (as the unprivileged uid, through setpriv, when we are root); no preexec_fn,
         so subprocess can vfork."""
         bwrap = ["bwrap", "--args", str(options), *command]
         executable, drop = self.bwrap, dict[str, Any]()
         if self.host_uid is not None and self.setpriv:
-            uid = str(self.host_uid)
-            bwrap = [self.setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", self._setpriv_bwrap,
+            user, group = self._setpriv_ids
+            bwrap = [self.setpriv, "--reuid", user, "--regid", group, "--clear-groups", "--", self._setpriv_bwrap,
                      *bwrap[1:]]
             executable = self.setpriv
         elif self.host_uid is not None:  # no setpriv: the same drop, by subprocess, at the price of a fork
             drop = {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
         return subprocess.Popen(
-            bwrap, executable=executable, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            bwrap, executable=executable, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={},  # bwrap itself starts clean: the sandbox's /proc/1/environ is empty too
             pass_fds=tuple(fd for fd in fds if fd is not None), start_new_session=True, **drop,
         )
 
+
+
+def _names_for(uid: int) -> tuple[str, str]:
+    """What setpriv is given for the uid and its gid: their names where /etc/passwd and /etc/group
+    have them. setpriv looks its arguments up as names first, and a number is a lookup that misses
+    in `files` and goes on to the next NSS module (libnss_systemd here: ~0.7 ms of every spawn)."""
+    try:
+        user = pwd.getpwuid(uid).pw_name
+        group = grp.getgrgid(uid).gr_name
+    except KeyError:
+        return str(uid), str(uid)
+    try:
+        same = pwd.getpwnam(user).pw_uid == uid and grp.getgrnam(group).gr_gid == uid
+    except KeyError:
+        same = False
+    return (user, group) if same and not user.isdigit() and not group.isdigit() else (str(uid), str(uid))
 
 
 def _open_view(workspace: Path, view: ShellView) -> list[tuple[str, int]]:
