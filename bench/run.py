@@ -57,17 +57,18 @@ class Mode:
     soak_max_calls: int
 
 
-# Samples per latency round. The WebSocket series are few: on this stack about half of them are followed
-# by a ~2 s stall of the API's event loop (see docs/PERFORMANCE.md), which makes each one expensive.
+# Samples per latency round. The WebSocket series are few: each is expensive on this stack.
 PER_ROUND_FULL = {
-    "floor.celery_ping_http": 100, "floor.celery_ping_direct": 40, "floor.subprocess_true": 40,
-    "floor.bwrap_true": 40, "part.bwrap_true_cgroup": 20, "part.atomic_replace": 40, "rw.read_file": 100, "rw.apply_file_patch": 100,
-    "rw.idempotent_replay": 100, "rw.shell_true_wait": 40, "rw.shell_true_ws": 10, "rw.echo_first_output": 10,
+    "floor.celery_bare": 100, "floor.bwrap_bare": 60, "floor.subprocess_true": 20,
+    "part.celery_product": 60, "part.bwrap_product": 30, "part.bwrap_product_cgroup": 20,
+    "part.atomic_replace": 30, "rw.read_file": 60, "rw.apply_file_patch": 100, "rw.idempotent_replay": 40,
+    "rw.shell_next": 60, "rw.shell_first": 40, "rw.shell_true_ws": 10, "rw.echo_first_output": 10,
 }
 PER_ROUND_QUICK = {
-    "floor.celery_ping_http": 30, "floor.celery_ping_direct": 10, "floor.subprocess_true": 10,
-    "floor.bwrap_true": 12, "part.bwrap_true_cgroup": 6, "part.atomic_replace": 12, "rw.read_file": 30, "rw.apply_file_patch": 30,
-    "rw.idempotent_replay": 30, "rw.shell_true_wait": 12, "rw.shell_true_ws": 4, "rw.echo_first_output": 4,
+    "floor.celery_bare": 30, "floor.bwrap_bare": 20, "floor.subprocess_true": 6,
+    "part.celery_product": 20, "part.bwrap_product": 10, "part.bwrap_product_cgroup": 6,
+    "part.atomic_replace": 10, "rw.read_file": 20, "rw.apply_file_patch": 30, "rw.idempotent_replay": 15,
+    "rw.shell_next": 20, "rw.shell_first": 15, "rw.shell_true_ws": 4, "rw.echo_first_output": 4,
 }
 FULL = Mode("full", rounds=4, per_round=PER_ROUND_FULL, warmup=20, throughput_slices=2, throughput_slice_s=5.0,
             relay_reps=3, relay_bytes=48 * MIB, multi_streams=20, multi_bytes=8 * MIB, idle_streams=100,
@@ -75,18 +76,23 @@ FULL = Mode("full", rounds=4, per_round=PER_ROUND_FULL, warmup=20, throughput_sl
 QUICK = Mode("quick", rounds=1, per_round=PER_ROUND_QUICK, warmup=4, throughput_slices=1, throughput_slice_s=3.0,
              relay_reps=1, relay_bytes=48 * MIB, multi_streams=20, multi_bytes=1 * MIB, idle_streams=100,
              soak_s=6.0, soak_max_calls=10_000)
+# An agent thinks between two calls of its run (seconds, for a model); the next-call series waits at
+# least this long after the run's last call ended (untimed), so a prepared sandbox has had its time.
+THINK_S = 0.2
 
 LABELS = {
-    "floor.celery_ping_http": "Celery no-op `runwarden.ping` via gunicorn (HTTP → send_task → get)",
-    "floor.celery_ping_direct": "Celery no-op `runwarden.ping`, no HTTP (bench process → get)",
+    "floor.celery_bare": "bare Celery no-op: Flask (gunicorn gthread) → send_task, Celery defaults → prefork -c 2 → result",
+    "floor.bwrap_bare": "bare `bwrap --unshare-all … /usr/bin/true` (/usr, /proc, /dev, /tmp), subprocess.run",
     "floor.subprocess_true": "`subprocess.run([\"true\"])`",
-    "floor.bwrap_true": "`bwrap … true` (BwrapRunner argv, rlimits, uid drop)",
-    "part.bwrap_true_cgroup": "runwarden's spawn path: the same `bwrap … true` in a per-call cgroup",
+    "part.celery_product": "runwarden's Celery: `runwarden.ping` via gunicorn with its worker class and configuration",
+    "part.bwrap_product": "runwarden's sandbox: BwrapRunner spawning `true` (argv, uid drop, limits, /etc, workspace)",
+    "part.bwrap_product_cgroup": "runwarden's cold spawn path: the same in its per-call cgroup",
     "part.atomic_replace": "a patch's durable write alone: temp file, fsync, rename (30 bytes, beside the patched file)",
     "rw.read_file": "read_file, POST → 200",
     "rw.apply_file_patch": "apply_file_patch, POST → 200",
     "rw.idempotent_replay": "idempotent replay (same key again) → 200",
-    "rw.shell_true_wait": "shell `true`, POST `Prefer: wait=30` → 200",
+    "rw.shell_next": f"a run's next shell call: `true`, `Prefer: wait` → 200 (≥ {THINK_S:g} s after its last)",
+    "rw.shell_first": "a new run's first shell call: `true`, `Prefer: wait` → 200",
     "rw.shell_true_ws": "shell `true`, POST → 202 + WebSocket to exit event",
     "rw.echo_first_output": "shell `echo hi`, POST sent → first output event",
 }
@@ -118,12 +124,13 @@ class Bench:
         self.out = out
         self.profiling = profiling
         self.agent = Agent(bench.api_url, bench.secret)
+        self.next_agent = Agent(bench.api_url, bench.secret, tenant=self.agent.tenant)  # its run: the next-call series
+        self.next_at = 0.0  # when the next-call series may send again (its run's last call ended + THINK_S)
         self.api = Http(bench.api_url)
         self.floor = Http(bench.floor_url)
+        self.bare = Http(bench.bare_url)
         self.sandbox = floor_sandbox.build(bench.settings, bench.root / "floor")
         self.spare = workspace.SpareFile(bench.settings.workspaces)
-        from shared.celery_app import create_celery
-        self.celery = create_celery(bench.settings)
         self.samples: dict[str, list[float]] = {name: [] for name in LABELS}
         self.errors: dict[str, dict[str, Any]] = {}
         self.results: dict[str, Any] = {"throughput": {}, "relay": {}, "memory": {}}
@@ -148,13 +155,12 @@ class Bench:
         self.count()
         return elapsed
 
-    def op_ping_direct(self) -> float:
+    def op_bare_noop(self) -> float:
         t0 = time.perf_counter()
-        value = self.celery.send_task("runwarden.ping").get(timeout=30)
+        status, _, data = self.bare.request("POST", "/noop", b"{}", {"Content-Type": "application/json"})
         elapsed = time.perf_counter() - t0
-        if value != "pong":
-            raise BenchError(f"ping returned {value!r}")
-        self.count()
+        if status != 200 or b"pong" not in data:
+            raise BenchError(f"bare /noop: {status} {data[:200]!r}")
         return elapsed
 
     @staticmethod
@@ -169,6 +175,9 @@ class Bench:
 
     def op_subprocess(self) -> float:
         return self._timed_exit(floor_sandbox.bare_true, "true")
+
+    def op_bwrap_bare(self) -> float:
+        return self._timed_exit(lambda: floor_sandbox.bare_bwrap_true(self.sandbox.bare.bwrap), "bare bwrap true")
 
     def op_bwrap(self) -> float:
         return self._timed_exit(lambda: floor_sandbox.spawn_true(self.sandbox), "bwrap true")
@@ -227,8 +236,8 @@ class Bench:
             raise BenchError(f"replay: {status} {dict(response_headers)} {data[:200]!r}")
         return elapsed
 
-    def op_shell_wait(self, http: Http | None = None) -> float:
-        body, headers = self.agent.request("execute_shell_command", {"command": "true"}, prefer_wait=30)
+    def op_shell_wait(self, http: Http | None = None, agent: Agent | None = None) -> float:
+        body, headers = (agent or self.agent).request("execute_shell_command", {"command": "true"}, prefer_wait=30)
         t0 = time.perf_counter()
         answer = self.agent.send(http or self.api, body, headers, expect=200)
         elapsed = time.perf_counter() - t0
@@ -236,6 +245,18 @@ class Bench:
         if answer["status"] != "completed" or answer["result"]["exit_code"] != 0:
             raise BenchError(f"shell true: {answer['status']} {answer['result']}")
         return elapsed
+
+    def op_shell_next(self) -> float:
+        """A call of a run that made one before, at least THINK_S ago (the wait is not timed)."""
+        time.sleep(max(0.0, self.next_at - time.monotonic()))
+        try:
+            return self.op_shell_wait(agent=self.next_agent)
+        finally:
+            self.next_at = time.monotonic() + THINK_S
+
+    def op_shell_first(self) -> float:
+        """The first call of a run never seen before (its workspace is made by this call)."""
+        return self.op_shell_wait(agent=Agent(self.s.api_url, self.s.secret, tenant=self.agent.tenant))
 
     def shell_streamed(self, command: str) -> tuple[float, dict[str, Any], Any]:
         """POST a shell call (202), read its WebSocket to the end: (POST time, answer, stream)."""
@@ -272,12 +293,11 @@ class Bench:
         return first.first_output_at - t0
 
     OPS: dict[str, str] = {
-        "floor.celery_ping_http": "op_ping_http", "floor.celery_ping_direct": "op_ping_direct",
-        "floor.subprocess_true": "op_subprocess", "floor.bwrap_true": "op_bwrap",
-        "part.bwrap_true_cgroup": "op_bwrap_cgroup", "part.atomic_replace": "op_replace", "rw.read_file": "op_read",
-        "rw.apply_file_patch": "op_patch", "rw.idempotent_replay": "op_replay",
-        "rw.shell_true_wait": "op_shell_wait", "rw.shell_true_ws": "op_shell_ws",
-        "rw.echo_first_output": "op_echo_first",
+        "floor.celery_bare": "op_bare_noop", "floor.bwrap_bare": "op_bwrap_bare", "floor.subprocess_true": "op_subprocess",
+        "part.celery_product": "op_ping_http", "part.bwrap_product": "op_bwrap",
+        "part.bwrap_product_cgroup": "op_bwrap_cgroup", "part.atomic_replace": "op_replace", "rw.read_file": "op_read",
+        "rw.apply_file_patch": "op_patch", "rw.idempotent_replay": "op_replay", "rw.shell_next": "op_shell_next",
+        "rw.shell_first": "op_shell_first", "rw.shell_true_ws": "op_shell_ws", "rw.echo_first_output": "op_echo_first",
     }
 
     def note_error(self, name: str, exc: Exception) -> None:
@@ -311,22 +331,34 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     self.note_error(f"warmup {name}", exc)
         for _ in range(self.mode.warmup // 2):
-            self.floor.request("POST", "/sandbox", b"{}", {"Content-Type": "application/json"})
+            self.bare.request("POST", "/sandbox", b"{}", {"Content-Type": "application/json"})
 
     def latency(self) -> None:
+        """Rounds of every series, interleaved sample by sample (floors, parts and runwarden alike),
+        so a noisy neighbour hits them alike; with --profile, the first round runs series by series."""
         for number in range(1, self.mode.rounds + 1):
             started = time.monotonic()
-            for name, method in self.OPS.items():
-                op = getattr(self, method)
-                profiled = self.profiling and number == 1 and name.startswith("rw.") and "ws" not in name \
-                    and "echo" not in name
-                with profile.maybe(self, f"latency-{name[3:]}", enabled=profiled):
-                    for _ in range(self.mode.per_round[name]):
-                        try:
-                            self.samples[name].append(op() * 1000)
-                        except Exception as exc:  # noqa: BLE001 - counted and reported
-                            self.note_error(name, exc)
+            if self.profiling and number == 1:
+                self._profiled_round()
+            else:
+                for turn in range(max(self.mode.per_round.values())):
+                    for name, method in self.OPS.items():
+                        if turn < self.mode.per_round[name]:
+                            self._sample(name, getattr(self, method))
             log(f"  round {number}/{self.mode.rounds} in {time.monotonic() - started:.1f} s")
+
+    def _sample(self, name: str, op: Callable[[], float]) -> None:
+        try:
+            self.samples[name].append(op() * 1000)
+        except Exception as exc:  # noqa: BLE001 - counted and reported
+            self.note_error(name, exc)
+
+    def _profiled_round(self) -> None:
+        for name, method in self.OPS.items():
+            profiled = name.startswith("rw.") and "ws" not in name and "echo" not in name
+            with profile.maybe(self, f"latency-{name[3:]}", enabled=profiled):
+                for _ in range(self.mode.per_round[name]):
+                    self._sample(name, getattr(self, method))
 
     def closed_loop(self, name: str, clients: int, seconds: float, make_op: Callable[[], Callable[[], Any]],
                     warm_s: float = 0.5) -> dict[str, Any]:
@@ -371,19 +403,19 @@ class Bench:
 
     def throughput(self) -> None:
         seconds = self.mode.throughput_slice_s
-        slices: dict[str, list[dict[str, Any]]] = {"floor.bare_bwrap_x2": [], "floor.celery_bwrap_http_x32": [],
+        slices: dict[str, list[dict[str, Any]]] = {"floor.bare_bwrap_x2": [], "floor.bare_task_x32": [],
                                                    "rw.shell_true_x32": []}
 
         def bare() -> Callable[[], Any]:
-            return lambda: floor_sandbox.spawn_true(self.sandbox)
+            return lambda: floor_sandbox.bare_bwrap_true(self.sandbox.bare.bwrap)
 
-        def floor_task() -> Callable[[], Any]:
-            http = Http(self.s.floor_url)
+        def bare_task() -> Callable[[], Any]:
+            http = Http(self.s.bare_url)
 
             def op() -> None:
                 status, _, data = http.request("POST", "/sandbox", b"{}", {"Content-Type": "application/json"})
                 if status != 200 or data != b'{"exit_code":0}':
-                    raise BenchError(f"floor /sandbox: {status} {data[:200]!r}")
+                    raise BenchError(f"bare /sandbox: {status} {data[:200]!r}")
             return op
 
         def shell() -> Callable[[], Any]:
@@ -392,14 +424,15 @@ class Bench:
 
         for number in range(self.mode.throughput_slices):
             slices["floor.bare_bwrap_x2"].append(self.closed_loop("bare bwrap ×2", 2, seconds, bare))
-            slices["floor.celery_bwrap_http_x32"].append(self.closed_loop("floor task ×32", 32, seconds, floor_task))
+            slices["floor.bare_task_x32"].append(self.closed_loop("bare task ×32", 32, seconds, bare_task))
             with profile.maybe(self, "shell-throughput", enabled=self.profiling and number == 0):
                 slices["rw.shell_true_x32"].append(self.closed_loop("shell true ×32", 32, seconds, shell))
-            log("  slice {}: bare ×2 {:.0f}/s, floor task ×32 {:.0f}/s, runwarden shell ×32 {:.0f}/s".format(
+            log("  slice {}: bare ×2 {:.0f}/s, bare task ×32 {:.0f}/s, runwarden shell ×32 {:.0f}/s".format(
                 number + 1, *(slices[k][-1]["per_s"] for k in slices)))
         labels = {"floor.bare_bwrap_x2": "bare `bwrap … true`, 2 in parallel in the bench process",
-                  "floor.celery_bwrap_http_x32": "Celery task that only spawns `bwrap … true`, via gunicorn, 32 outstanding",
-                  "rw.shell_true_x32": "runwarden shell `true` (`Prefer: wait`), 32 outstanding"}
+                  "floor.bare_task_x32": "bare Celery task that only spawns the bare sandbox, via gunicorn gthread, "
+                                         "32 outstanding",
+                  "rw.shell_true_x32": "runwarden shell `true` (`Prefer: wait`, one run), 32 outstanding"}
         for name, runs in slices.items():
             completed = sum(r["completed"] for r in runs)
             window = sum(r["window_s"] for r in runs)

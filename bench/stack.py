@@ -17,7 +17,7 @@ from subprocess import Popen
 import redis
 
 from bench import floor_sandbox
-from bench.names import FLOOR_QUEUE
+from bench.names import BARE_QUEUE, FLOOR_QUEUE
 from runwarden import devstack
 from shared.settings import Settings
 
@@ -27,6 +27,8 @@ API_APP = "api.app:create_app()"
 FLOOR_APP = "bench.floor_app:create_app()"
 WORKER_APP = "workers.worker"
 FLOOR_WORKER_APP = "bench.floor_worker"
+BARE_APP = "bench.bare:create_app()"
+BARE_WORKER_APP = "bench.bare"
 
 
 @dataclass
@@ -44,6 +46,7 @@ class BenchStack:
     floor_api: Popen[bytes]
     floor_worker: Popen[bytes]
     settings: Settings
+    bare_url: str = ""
 
     @property
     def redis(self) -> redis.Redis:
@@ -57,16 +60,17 @@ class BenchStack:
 
 
 class _Retarget(devstack.Stack):
-    """Hands a devstack start function's argv to the real stack with one argument swapped,
-    so the floor server runs with the API's exact gunicorn flags (and the floor worker with the worker's)."""
+    """Hands a devstack start function's argv to the real stack with arguments swapped, so the floor
+    server runs with the API's exact gunicorn flags (and the floor worker with the worker's), and the
+    bare ones with the same flags but gunicorn's stock worker class."""
 
-    def __init__(self, real: devstack.Stack, name: str, old: str, new: str) -> None:
+    def __init__(self, real: devstack.Stack, name: str, old: str, new: str, **more: str) -> None:
         super().__init__()
-        self.real, self.name, self.old, self.new = real, name, old, new
+        self.real, self.name, self.swaps = real, name, {old: new, **more}
 
     def start(self, name, argv, env, log=None):  # type: ignore[no-untyped-def,override]
-        assert self.old in argv, (self.old, argv)
-        return self.real.start(self.name, [self.new if arg == self.old else arg for arg in argv], env, log)
+        assert set(self.swaps) <= set(argv), (self.swaps, argv)
+        return self.real.start(self.name, [self.swaps.get(arg, arg) for arg in argv], env, log)
 
 
 def start(logs: Path, **extra_env: str) -> BenchStack:
@@ -93,26 +97,34 @@ def start(logs: Path, **extra_env: str) -> BenchStack:
             **extra_env,
         })
         settings = Settings.from_env(env)
-        floor_sandbox.build(settings, root / "floor")  # writes the floor's /etc files before its worker starts
+        # writes the floor's /etc files before its worker starts; the bare floor runs the same bwrap
+        env[floor_sandbox.BARE_BWRAP_ENV] = floor_sandbox.build(settings, root / "floor").bare.bwrap
         tag = uuid.uuid4().hex[:6]
         worker = devstack.start_worker(stack, env, concurrency=2, name=f"bench-{tag}", log=logs / "worker.log")
         floor_worker = devstack.start_worker(_Retarget(stack, "floor-worker", WORKER_APP, FLOOR_WORKER_APP), env,
                                              concurrency=2, name=f"floor-{tag}", queues=FLOOR_QUEUE,
                                              log=logs / "floor-worker.log")
-        api_port, floor_port = devstack.free_port(), devstack.free_port()
+        devstack.start_worker(_Retarget(stack, "bare-worker", WORKER_APP, BARE_WORKER_APP), env, concurrency=2,
+                              name=f"bare-{tag}", queues=BARE_QUEUE, log=logs / "bare-worker.log")
+        api_port, floor_port, bare_port = devstack.free_port(), devstack.free_port(), devstack.free_port()
         api = devstack.start_api(stack, env, HOST, api_port, log=logs / "api.log")
         floor_api = devstack.start_api(_Retarget(stack, "floor-api", API_APP, FLOOR_APP), env, HOST, floor_port,
                                        log=logs / "floor-api.log")
+        devstack.start_api(_Retarget(stack, "bare-api", API_APP, BARE_APP, **{"api.server.Worker": "gthread"}),
+                           env, HOST, bare_port, log=logs / "bare-api.log")
         api_url, floor_url = f"http://{HOST}:{api_port}", f"http://{HOST}:{floor_port}"
+        bare_url = f"http://{HOST}:{bare_port}"
         devstack.wait_for(lambda: devstack.http_ok(f"{api_url}/readyz"), 90, "the runwarden stack", stack)
         devstack.wait_for(lambda: devstack.http_ok(f"{floor_url}/healthz"), 60, "the floor app", stack)
+        devstack.wait_for(lambda: devstack.http_ok(f"{bare_url}/healthz"), 60, "the bare app", stack)
         devstack.wait_for(lambda: _floor_worker_answers(floor_url), 60, "the floor worker", stack)
+        devstack.wait_for(lambda: _floor_worker_answers(bare_url), 60, "the bare worker", stack)
     except BaseException:
         stack.stop()
         shutil.rmtree(root, ignore_errors=True)
         raise
     return BenchStack(stack, root, logs, env, secret, redis_url, api_url, floor_url, api, worker, floor_api,
-                      floor_worker, settings)
+                      floor_worker, settings, bare_url)
 
 
 def restart_api(bench: BenchStack, **settings: str) -> None:

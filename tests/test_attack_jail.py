@@ -186,8 +186,8 @@ def workspace_of(runner, root: Path) -> Path:  # type: ignore[no-untyped-def]
 
 def spawn(runner, command: str, ws: Path, patterns=("docs/**",), cwd: str = "") -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
     process = runner.spawn(command, ws, cwd, False, shell_view(tuple(patterns)))
-    out, err = process.popen.communicate(timeout=30)
-    return process.popen.returncode, out.decode(), err.decode()
+    code, out, err = sandbox.communicate(process, timeout_s=30)
+    return code, out.decode(), err.decode()
 
 
 def without_bind_fd(runner):  # type: ignore[no-untyped-def]
@@ -225,13 +225,14 @@ def test_a_mount_swapped_in_after_the_check_is_caught(runner, root, old_bwrap: b
     try:
         (ws / "docs" / "decoy").write_text("not the workspace\n")
         os.chmod(ws / "docs", 0o777)
-        process = jail._spawn("cat docs/decoy; touch docs/ran", ws, "", False, binds)
-        out, err = process.popen.communicate(timeout=30)
+        process, stdin = jail._spawn(ws, False, binds)
+        sandbox.write_frame(stdin, "", "cat docs/decoy; touch docs/ran")
+        code, out, err = sandbox.communicate(process, timeout_s=30)
         assert out == b"" and not (ws / "docs" / "ran").exists(), (out, err)
         if old_bwrap:
-            assert process.popen.returncode == 125 and b"the workspace changed" in err, err
+            assert code == 125 and b"the workspace changed" in err, err
         else:
-            assert process.popen.returncode == 1 and b"Race condition binding dirfd" in err, err
+            assert code == 1 and b"Race condition binding dirfd" in err, err
     finally:
         sandbox._close(*(fd for _, fd in binds))
         subprocess.run(["umount", str(ws / "docs")], check=True)

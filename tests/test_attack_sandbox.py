@@ -295,8 +295,9 @@ def test_concurrent_sandboxes_cannot_see_each_other(agent, make_agent) -> None:
     """A peer sandbox, held running (it waits for a file), is seen from the host but not by a probe."""
     other = make_agent()
     marker = f"rw-peer-{uuid.uuid4().hex[:8]}"
-    peer = other.shell(f"echo {marker} > /tmp/{marker}; touch ready; while [ ! -e go ]; do sleep 0.05; done",
-                       wait=None)
+    # The marker is in the argv of the peer's inner bash, so the host sees it in a command line.
+    peer = other.shell(f"echo {marker} > /tmp/{marker}; touch ready; "
+                       f"bash -c 'while [ ! -e go ]; do sleep 0.05; done' {marker}", wait=None)
     assert peer.status_code == 202, peer.text
     peer_id = peer.json()["task_id"]
     try:

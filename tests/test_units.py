@@ -184,8 +184,8 @@ def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bo
         if with_setpriv and runner.setpriv is None:
             pytest.skip("no setpriv on this machine")
         process = runner.spawn("touch made; ulimit -n", workspace, "", False)
-        out, err = process.popen.communicate(timeout=20)
-        assert (process.popen.returncode, out) == (0, b"256\n"), err
+        code, out, err = sandbox.communicate(process, timeout_s=20)
+        assert (code, out) == (0, b"256\n"), err
         assert (workspace / "made").stat().st_uid == 65534
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -219,7 +219,8 @@ def test_a_sandbox_killed_while_bwrap_sets_it_up_leaves_nothing_running() -> Non
         for _ in range(3):
             process = runner.spawn("sleep 30", workspace, "", False)
             process.kill()
-            process.popen.wait()
+            process.wait()
+            process.close()
             assert _gone(process.group_leader), f"the sandbox's init {process.group_leader} outlived its kill"
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -258,7 +259,8 @@ def test_sandbox_is_born_in_its_cgroup_and_the_spawning_thread_goes_home() -> No
     finally:
         if process is not None:
             process.kill()
-            process.popen.wait()
+            process.wait()
+            process.close()
         shutil.rmtree(root, ignore_errors=True)
         for directory in group.dirs:
             with contextlib.suppress(OSError):

@@ -44,36 +44,34 @@ def clone(runner: Runner, staging: Path, source: GitSource, deadline: float, lim
         tail = _wait(process, staging, deadline, limits, progress)
     finally:
         process.kill()  # the sandbox's init: whatever git left running ends with it
-        process.popen.wait()
-        for pipe in (process.popen.stdout, process.popen.stderr):
-            if pipe is not None:
-                pipe.close()
-    if process.popen.returncode != 0:
+        code = process.wait()
+        process.close()
+    if code != 0:
         raise CloneFailed(f"git clone failed: {_last_line(tail)}")
 
 
 def _wait(process: Process, staging: Path, deadline: float, limits: Limits, progress: Callable[[], None]) -> bytes:
     """Read git's output until it ends (keeping the end of stderr), measuring the clone meanwhile."""
-    pipes = {pipe.fileno(): pipe for pipe in (process.popen.stdout, process.popen.stderr) if pipe is not None}
-    stderr_fd = process.popen.stderr.fileno() if process.popen.stderr is not None else -1
+    pipes = {process.stdout, process.stderr}
+    stderr_fd = process.stderr
     selector = selectors.DefaultSelector()
     for fd in pipes:
         os.set_blocking(fd, False)
         selector.register(fd, selectors.EVENT_READ)
     tail, next_measure = b"", time.monotonic() + MEASURE_EVERY_S
     try:
-        while pipes or process.popen.poll() is None:
+        while pipes or process.poll() is None:
             now = time.monotonic()
             if now >= deadline:
                 raise CloneFailed("git clone did not finish in time.")
             if not pipes:  # git closed its output but has not exited yet
                 with suppress(subprocess.TimeoutExpired):
-                    process.popen.wait(min(POLL_S, deadline - now))
+                    process.wait(min(POLL_S, deadline - now))
             for key, _ in selector.select(min(POLL_S, deadline - now)) if pipes else ():
                 data = os.read(key.fd, 65536)
                 if not data:
                     selector.unregister(key.fd)
-                    pipes.pop(key.fd)
+                    pipes.discard(key.fd)
                 elif key.fd == stderr_fd:
                     tail = (tail + data)[-STDERR_TAIL_BYTES:]
             if time.monotonic() >= next_measure:

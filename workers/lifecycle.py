@@ -23,17 +23,19 @@ from shared.placement import Placement, node_queue
 from shared.records import Records
 from shared.scheduler import Scheduler
 from shared.settings import Settings
-from workers import metrics, sandbox
-from workers.tasks import WORKER_NAME, reap_lost_calls
+from workers import metrics, runtime, sandbox
+from workers.runtime import WORKER_NAME
+from workers.tasks import reap_lost_calls
 from workers.workspaces import sweep_forever
 
 log = logging.getLogger("runwarden.worker")
 HEARTBEAT_S = 2.0  # a worker missing three beats no longer counts in its queues' capacity
 
 
-def connect_worker_signals(app: Celery) -> None:
-    settings = app.runwarden_settings  # type: ignore[attr-defined]
+def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
+    settings = host.settings
     stop = threading.Event()
+    pools: list[Pool] = []  # this worker's, once it is ready
     if settings.log_format == "json":
         connect_json_logs(settings)
 
@@ -42,7 +44,7 @@ def connect_worker_signals(app: Celery) -> None:
         """Fail closed: a worker whose sandbox cannot start refuses shell calls with the reason."""
         # A worker starts with clean metrics: what the processes of an earlier run counted goes.
         shared_metrics.forget_dead_processes(settings.metrics_dir, counters_too=True)
-        app.runwarden_runner, app.runwarden_sandbox_error = None, None  # type: ignore[attr-defined]
+        host.runner, host.sandbox_error = None, None
         try:
             runner = sandbox.build_runner(settings)
             try:
@@ -51,26 +53,26 @@ def connect_worker_signals(app: Celery) -> None:
                 _release_cgroup(runner)  # the self-test's, made in this main process, which runs no call
         except SandboxUnavailable as exc:
             metrics.sandbox_failed()
-            app.runwarden_sandbox_error = exc.detail  # type: ignore[attr-defined]
+            host.sandbox_error = exc.detail
             return
         except Exception as exc:  # whatever broke, shell calls are refused, never run unconfined
             metrics.sandbox_failed()
-            app.runwarden_sandbox_error = f"sandbox setup failed: {type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
+            host.sandbox_error = f"sandbox setup failed: {type(exc).__name__}: {exc}"
             return
-        app.runwarden_runner = runner  # type: ignore[attr-defined]
+        host.runner = runner
 
     @worker_ready.connect(weak=False)
     def start_reaper(sender: Any, **_: object) -> None:
         # Logged here: worker_init runs before Celery has set up logging.
-        if app.runwarden_sandbox_error:  # type: ignore[attr-defined]
-            log.error("SANDBOX UNAVAILABLE, shell calls are refused: %s", app.runwarden_sandbox_error)  # type: ignore[attr-defined]
+        if host.runner is None:
+            log.error("SANDBOX UNAVAILABLE, shell calls are refused: %s", host.sandbox_error)
         else:
-            log.info("sandbox self-test passed (%s)", app.runwarden_runner.name)  # type: ignore[attr-defined]
+            log.info("sandbox self-test passed (%s)", host.runner.name)
         threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
         metrics.start_exporter(settings)
         pool = Pool(sender.hostname, [queue.name for queue in sender.task_consumer.queues],
                     sender.controller.concurrency)
-        app.runwarden_pool = pool  # type: ignore[attr-defined]
+        pools.append(pool)
         threading.Thread(target=_heartbeat_forever, args=(settings, pool, stop), name="runwarden-heartbeat",
                          daemon=True).start()
         # Idle expiry, measuring and dead workers' staging directories (workers/workspaces.py).
@@ -80,7 +82,7 @@ def connect_worker_signals(app: Celery) -> None:
     @celeryd_after_setup.connect(weak=False)
     def consume_node_queues(sender: str, instance: Any, **_: object) -> None:
         """A node also consumes the queues of the runs placed on it (contract section 14)."""
-        if settings.placement == "node":
+        if settings.placement == "node" and settings.node is not None:  # workers/worker.py requires it
             for queue in (keys.FILE_QUEUE, keys.SHELL_QUEUE):
                 instance.app.amqp.queues.select_add(node_queue(queue, settings.node))
 
@@ -89,10 +91,9 @@ def connect_worker_signals(app: Celery) -> None:
         """SIGTERM: the pool leaves its queues' capacity at once (its running calls finish), and a
         node takes no new run."""
         stop.set()
-        pool = getattr(app, "runwarden_pool", None)
         with suppress(redis.RedisError):
             client = connections.connect(settings, socket_timeout=5)
-            if pool is not None:
+            for pool in pools:
                 for queue in pool.queues:
                     Scheduler(client).leave(queue, pool.name)
             if settings.node is not None:
@@ -103,7 +104,7 @@ def connect_worker_signals(app: Celery) -> None:
         stop.set()
         # The pool has stopped: the groups of its processes go, also of those killed outright
         # (a SIGTERM to the whole process group kills pool processes before they can remove theirs).
-        cgroups = getattr(getattr(app, "runwarden_runner", None), "cgroups", None)
+        cgroups = getattr(host.runner, "cgroups", None)
         if cgroups is not None:
             cgroups.sweep()
 
@@ -111,7 +112,7 @@ def connect_worker_signals(app: Celery) -> None:
     def remove_cgroup(**_: object) -> None:
         """A pool process that ends (replaced, or its worker stopping) takes its cgroup with it;
         one killed outright leaves it to the next worker start's sweep."""
-        _release_cgroup(getattr(app, "runwarden_runner", None))
+        _release_cgroup(host.runner)
         if settings.metrics_dir is not None:  # its live gauges go with it (its counters stay counted)
             multiprocess.mark_process_dead(os.getpid(), str(settings.metrics_dir))
 

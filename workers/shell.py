@@ -87,27 +87,21 @@ class ShellCall:
         """`sent`: the signals clients sent before the call started, in order; `view`: what of the
         workspace the token's allowed_paths show the command."""
         started = time.monotonic()
-        meter = self.runner.meter()
-        try:
-            process = self.runner.spawn(command, workspace, cwd, network, view)
-        except BaseException:
-            meter.stop()  # lets go of what it holds open
-            raise
+        process = self.runner.spawn(command, workspace, cwd, network, view)
         run = _Run(process, deadline=started + timeout_ms / 1000)
         self._take_listed(run, sent)
-        assert process.popen.stdout and process.popen.stderr
         run.streams = {
-            process.popen.stdout.fileno(): StreamCopy("stdout", self.settings.http_output_bytes),
-            process.popen.stderr.fileno(): StreamCopy("stderr", self.settings.http_output_bytes),
+            process.stdout: StreamCopy("stdout", self.settings.http_output_bytes),
+            process.stderr: StreamCopy("stderr", self.settings.http_output_bytes),
         }
         try:
             self._pump(run, control)
         finally:
             process.kill()  # whatever is left of the tree; the PID namespace takes the rest
-            process.popen.wait()
-            for pipe in (process.popen.stdout, process.popen.stderr):
-                pipe.close()
-        return self._outcome(run, started, meter.stop())  # the sandbox's whole tree is gone by now
+            process.wait()
+            usage = process.usage()  # the sandbox's whole tree is gone by now
+            process.close()
+        return self._outcome(run, started, usage)
 
     def _pump(self, run: _Run, control: redis.client.PubSub) -> None:
         selector = selectors.DefaultSelector()
@@ -138,7 +132,7 @@ class ShellCall:
             if now >= run.deadline and not run.timed_out and run.kill_at is None:
                 run.timed_out = True
                 self._terminate(run)
-            if run.process.popen.poll() is not None and run.kill_at is None:
+            if run.process.poll() is not None and run.kill_at is None:
                 run.process.kill()  # the command is done: leftovers (`cmd &`, `setsid`) end with it
                 run.kill_at = float("inf")
             if run.kill_at is not None and now >= run.kill_at:
@@ -268,10 +262,8 @@ class ShellCall:
             run.kill_at = time.monotonic() + self.settings.kill_grace_s
 
     def _outcome(self, run: _Run, started: float, usage: Usage) -> Outcome:
-        exit_code = run.process.popen.returncode
+        exit_code = run.process.wait()  # ended: its code, 128 + N for a death by signal N
         died_of_signal = run.process.ended_by_signal()
-        if exit_code < 0:  # the unsandboxed runner reports a signal as a negative code
-            exit_code = 128 - exit_code
         stdout, stderr = run.streams.values()
         termination = decide(cancelled=run.cancelled, timed_out=run.timed_out, capped=run.truncated,
                              oom_kills=usage.oom_kills, died_of_signal=died_of_signal)

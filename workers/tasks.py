@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 from contextlib import ExitStack, suppress
-from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -26,64 +23,23 @@ from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Una
 from shared.keys import Status
 from shared.endings import NOT_RUN
 from shared.records import Records
-from shared.settings import Settings
-from workers import metrics, workspace
-from workers.files import PatchApplier, Prepared, read_file as read_file_tool
-from workers.holds import Holds
-from workers.patch_sets import PatchSets
-from workers.sandbox import Runner
+from workers import metrics, runtime, workspace
+from workers.files import Prepared, read_file as read_file_tool
+from workers.runtime import Runtime
 from workers.shell import ShellCall
 
 log = logging.getLogger("runwarden.tasks")
-# "host:pid" of the worker's main process (this module is imported before the pool forks): the
-# Celery node an operator sees in Flower, recorded on each call it runs.
-WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
 MAX_FILE_ATTEMPTS = 3
 
 
-class WorkerContext:
-    """Per-process resources, built after fork (Redis connections must not cross a fork)."""
-
-    def __init__(self, settings: Settings, runner: Runner | None, sandbox_error: str | None) -> None:
-        self.pid = os.getpid()
-        self.settings = settings
-        # Named, so an operator's CLIENT LIST tells a pool process's connections from Celery's own.
-        # socket_timeout: above the longest blocking read here (the control channel's polls are short).
-        self.redis = connections.connect(settings, health_check_interval=30, socket_timeout=30,
-                                         client_name=f"runwarden-pool-{self.pid}")
-        self.records = Records(self.redis, ttl_s=settings.idempotency_ttl_s,
-                               retention_s=settings.stream_retention_s, lease_s=settings.lease_s)
-        self.patches = PatchApplier(self.redis, settings.idempotency_ttl_s, settings.workspaces)
-        self.runner = runner
-        self.sandbox_error = sandbox_error
-        self.sandbox_owner = getattr(runner, "host_uid", None)
-        self.name = WORKER_NAME
-        self.control = self.redis.pubsub()  # one connection per process, a channel per call
-        self.holds = Holds(settings.test_hold_dir)  # test mode only; off in production
-        self.patch_sets = PatchSets(self.redis, self.patches, self.records, self.workspace, self.holds,
-                                    lease_s=settings.lease_s, intent_ttl_s=settings.idempotency_ttl_s,
-                                    worker=self.name)
-
-    def workspace(self, tenant: str, run_id: str) -> Path:
-        return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
-
-
 class RunwardenTask(Task):
-    """Base for every tool task: per-process context, and the one place outcomes are recorded."""
+    """Base for every tool task: this pool process's runtime, and the one place outcomes are recorded."""
 
     abstract = True
-    _context: WorkerContext | None = None
 
     @property
-    def ctx(self) -> WorkerContext:
-        context = RunwardenTask._context
-        if context is None or context.pid != os.getpid():
-            context = RunwardenTask._context = WorkerContext(
-                self.app.runwarden_settings,  # type: ignore[attr-defined]
-                getattr(self.app, "runwarden_runner", None),
-                getattr(self.app, "runwarden_sandbox_error", None),
-            )
-        return context
+    def ctx(self) -> Runtime:
+        return runtime.current()
 
     def file_call(self, call: dict[str, Any], tool: Callable[[bytes | None], dict[str, Any]],
                   lock: str | None = None, prepared: Prepared | None = None) -> dict[str, Any]:
@@ -269,7 +225,7 @@ def subscribe_control(control: Any, channel: str) -> None:
         control.subscribe(channel)
 
 
-def _run_shell(ctx: WorkerContext, task_id: str, call: dict[str, Any], control: Any,
+def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
                sent: tuple[str, ...]) -> tuple[Status, Any, str]:
     p = call["parameters"]
     try:

@@ -21,6 +21,7 @@ from celery.signals import task_postrun
 from shared.errors import InternalError
 from shared.schema import TOOLS
 from shared.workspaces import CREATE_TASK, DELETE_TASK, Operation, Registry
+from workers import runtime
 from workers.tasks import RunwardenTask
 from workers.workspaces import USE_THROTTLE_S, Operations, Outcome, remove_tree
 
@@ -71,7 +72,7 @@ def record_use(sender: Task | None = None, args: tuple[Any, ...] | None = None, 
     if len(_recorded) > 10_000:
         _recorded.clear()
     _recorded[(tenant, run_id)] = now
-    ctx = sender.ctx  # type: ignore[attr-defined]
+    ctx = runtime.current()
     if os.path.isdir(ctx.settings.workspaces / tenant / run_id):  # the call may not have run at all
         with suppress(redis.RedisError):  # a lost record costs a late measurement, not the call
             Registry(ctx.redis).used(tenant, run_id)

@@ -1,0 +1,278 @@
+"""The bubblewrap runner: a fresh sandbox per command, spawned by the pool process itself.
+
+The sandbox gets fresh user, PID, IPC, UTS, cgroup and network namespaces, the system's programs
+read-only, the workspace read-write at /workspace (or only the paths the token grants), a private
+/tmp, an environment built from nothing, and no capabilities. When the worker runs as root it
+first drops to an unprivileged uid, so the sandbox's user is not host root even outside its
+namespace. The sandbox's PID 1 is bwrap's init: killing it makes the kernel end every process
+inside, including ones that called `setsid` or `nohup`, so no process outlives its call.
+
+Spawning is on the hot path of every shell call, so nothing runs in Python between fork and exec
+(a `preexec_fn` forces a full fork() of the ~70 MB pool process: +8 ms a call, measured in bench/);
+subprocess then uses vfork. What used to run there moved: the rlimits are set by the sandbox's
+one bash, which then reads the command from its stdin and runs it (base.COMMAND_READER), the
+sandbox is born in its cgroup (cgroup v1: the spawning thread steps into it around the spawn) or
+moved into it while bwrap waits on `--block-fd` (v2), and the uid drop is `setpriv`'s exec.
+(Setting the rlimits from here instead, around the spawn, would need CAP_SYS_RESOURCE to raise the
+pool process's own hard limits back, which root lacks in some VMs and containers, this one included.)
+"""
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from shared.errors import SandboxUnavailable
+from shared.paths import WHOLE_WORKSPACE, ShellView
+from workers import usage
+from workers import workspace as workspace_files
+from workers.cgroups import Cgroups
+from workers.sandbox.base import (COMMAND_READER, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
+                                  check_cwd, environment, let_commands_start_with_default_signals, write_frame)
+
+_SYSTEM_DIRS = ("/usr", "/opt/conda")  # read-only; /bin, /lib… are symlinks into /usr on merged-usr systems
+_LIVE_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts")  # bound live, over placeholders, for shell:network
+
+
+class BwrapRunner:
+    name = "bwrap"
+
+    def __init__(self, bwrap: str, limits: Limits, host_uid: int | None, etc_dir: Path,
+                 cgroups: Cgroups | None = None, features: frozenset[str] = frozenset(),
+                 setpriv: str | None = None) -> None:
+        self.bwrap = bwrap
+        self.features = features
+        self.limits = limits
+        self.cgroups = cgroups
+        self.host_uid = host_uid  # the unprivileged uid to become when the worker is root
+        self.setpriv = setpriv  # util-linux setpriv, which makes that uid drop an exec instead of a fork
+        # setpriv execs its argv as given, so the sandbox's /proc/1/cmdline shows bwrap's path,
+        # unless bwrap is on the default search path (a distribution's /usr/bin/bwrap).
+        on_default_path = shutil.which("bwrap", path=os.confstr("CS_PATH")) == bwrap
+        self._setpriv_bwrap = "bwrap" if on_default_path else bwrap
+        self.etc_dir = etc_dir
+        self._binds_by_fd = "--bind-fd" in features
+        self._system = self._system_options()
+        self._limits = backstop_ulimits(limits, cgroups is not None)
+        self._setpriv_ids = _names_for(host_uid) if host_uid is not None else ("", "")
+
+    def meter(self) -> usage.Meter:
+        return usage.start(self.cgroups.for_this_process()) if self.cgroups else usage.NO_METER
+
+    def after_call(self) -> None:
+        if self.cgroups:
+            self.cgroups.renew_if_charged()
+
+    def _system_options(self) -> list[str]:
+        """The options every sandbox shares: namespaces, the system read-only, /etc as one directory."""
+        args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
+        if "--disable-userns" in self.features:
+            args.append("--disable-userns")  # the command cannot create nested namespaces
+        for path in _SYSTEM_DIRS:
+            if os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            target = f"/{name}"
+            if os.path.islink(target):
+                args += ["--symlink", os.readlink(target), target]
+        # One bind for all of /etc: bwrap spends ~0.3 ms on each mount, and 15 files cost 5 ms.
+        args += ["--ro-bind", str(self.etc_dir), "/etc"]
+        tmp_size = ["--size", str(self.limits.file_bytes)] if "--size" in self.features else []
+        return args + ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--tmpfs", "/run"]
+
+    def argv(self, workspace: Path, network: bool, info_fd: int, block_fd: int | None = None,
+             binds: list[tuple[str, int]] | None = None, status_option: str = "--info-fd") -> list[str]:
+        """`binds`: (path in the workspace, fd opened on it) of a partial view; None: all of it.
+        The command is not in it: the sandbox's bash reads it from its stdin (base.frame)."""
+        args = [self.bwrap, status_option, str(info_fd), *self._system]
+        if block_fd is not None:
+            args += ["--block-fd", str(block_fd)]  # set up, then wait for us before starting the command
+        if network:
+            args.append("--share-net")
+            for path in _LIVE_NETWORK_FILES:
+                if os.path.exists(path):
+                    args += ["--ro-bind", path, path]  # over the placeholders build_etc left
+        args += self._workspace_options(workspace, binds)
+        args += ["--chdir", SANDBOX_HOME, "--clearenv"]
+        for key, value in environment().items():
+            args += ["--setenv", key, value]
+        checks = "" if binds is None or self._binds_by_fd else _fd_checks(binds)
+        return args + ["--", "/bin/bash", "-c", self._limits + checks + COMMAND_READER, "/bin/bash"]
+
+    def _workspace_options(self, workspace: Path, binds: list[tuple[str, int]] | None) -> list[str]:
+        """The whole workspace (one mount: the `**` grant stays as cheap as it was), or only the
+        granted paths, bound into an empty tmpfs that is then made read-only.
+
+        Each granted path is bound from the fd opened on it without following a symlink, never
+        from its name: the workspace is the agent's, and a concurrent call may swap a directory
+        for a symlink to `/` between our check and bwrap's mount. bwrap ≥ 0.10 binds an fd itself
+        (`--bind-fd`: it mounts the fd's path, then checks the mount is the fd's inode and dies
+        if not). An older bwrap gets `/proc/self/fd/N`, which it resolves to a name, so the
+        sandbox's first bash makes the same check before the command starts (see _fd_checks).
+        """
+        if binds is None:
+            return ["--bind", str(workspace), SANDBOX_HOME]
+        args = ["--tmpfs", SANDBOX_HOME]
+        for relpath, fd in binds:
+            source = ["--bind-fd", str(fd)] if self._binds_by_fd else ["--bind", f"/proc/self/fd/{fd}"]
+            args += [*source, f"{SANDBOX_HOME}/{relpath}"]
+        return args + (["--remount-ro", SANDBOX_HOME] if "--remount-ro" in self.features else [])
+
+    def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
+              view: ShellView = WHOLE_WORKSPACE) -> PopenProcess:
+        check_cwd(view, cwd)
+        binds = None if view.whole else _open_view(workspace, view)
+        meter = self.meter()
+        try:
+            process, stdin = self._spawn(workspace, network, binds, meter)
+        except BaseException:
+            meter.stop()  # lets go of what it holds open
+            raise
+        finally:
+            _close(*(fd for _, fd in binds or ()))
+        write_frame(stdin, cwd, command)
+        return process
+
+    def _spawn(self, workspace: Path, network: bool, binds: list[tuple[str, int]] | None,
+               meter: usage.Meter = usage.NO_METER) -> tuple[PopenProcess, int]:
+        """The sandbox, started and waiting for its command, and the write end of its stdin."""
+        let_commands_start_with_default_signals()
+        cgroup = self.cgroups.for_this_process() if self.cgroups else None
+        born_inside = cgroup is not None and cgroup.spawns_inside
+        info_read, info_write = os.pipe()
+        # Where the sandbox cannot be born in its cgroup, bwrap waits on --block-fd until it is moved in.
+        block_read, block_write = os.pipe() if cgroup and not born_inside else (None, None)
+        # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
+        # show host paths such as the workspaces root.
+        options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
+        argv = self.argv(workspace, network, info_write, block_read, binds)
+        split = argv.index("--")
+        os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
+        os.lseek(options, 0, os.SEEK_SET)
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
+        popen = None
+        try:
+            with cgroup.joined_by_this_thread() if cgroup and born_inside else contextlib.nullcontext():
+                popen = self._popen(argv[split:], options, stdin_read,
+                                    [info_write, options, block_read, *(fd for _, fd in binds or ())])
+        except BaseException:
+            if popen is not None:  # started, but this thread could not leave the call's cgroup
+                PopenProcess(popen, group_leader=popen.pid).kill()  # bwrap's group: its child is still in it
+                popen.wait()
+            _close(info_read, block_write, stdin_write)
+            raise
+        finally:
+            _close(info_write, options, block_read, stdin_read)
+        try:
+            info = _read_all(info_read)
+        finally:
+            os.close(info_read)
+        try:
+            child = int(json.loads(info)["child-pid"])
+        except (ValueError, KeyError):
+            _close(block_write, stdin_write)
+            stderr = popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
+            raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
+        process = PopenProcess(popen, child, meter, sandbox_init=True)
+        if cgroup is not None and block_write is not None:
+            try:
+                cgroup.add(child)  # bwrap's sandbox child, before it starts anything
+            except OSError as exc:
+                process.kill()  # never let it run unbounded: bwrap reads EOF as "go" too
+                popen.wait()
+                process.close()
+                _close(stdin_write)
+                raise SandboxUnavailable(f"cannot move the sandbox into its cgroup: {exc}") from None
+            finally:
+                _close(block_write)
+        return process, stdin_write
+
+    def _popen(self, command: list[str], options: int, stdin: int, fds: list[int | None]) -> subprocess.Popen[bytes]:
+        """Start bwrap (as the unprivileged uid, through setpriv, when we are root); no preexec_fn,
+        so subprocess can vfork."""
+        bwrap = ["bwrap", "--args", str(options), *command]
+        executable, drop = self.bwrap, dict[str, Any]()
+        if self.host_uid is not None and self.setpriv:
+            user, group = self._setpriv_ids
+            bwrap = [self.setpriv, "--reuid", user, "--regid", group, "--clear-groups", "--", self._setpriv_bwrap,
+                     *bwrap[1:]]
+            executable = self.setpriv
+        elif self.host_uid is not None:  # no setpriv: the same drop, by subprocess, at the price of a fork
+            drop = {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
+        return subprocess.Popen(
+            bwrap, executable=executable, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={},  # bwrap itself starts clean: the sandbox's /proc/1/environ is empty too
+            pass_fds=tuple(fd for fd in fds if fd is not None), start_new_session=True, **drop,
+        )
+
+
+
+def _names_for(uid: int) -> tuple[str, str]:
+    """What setpriv is given for the uid and its gid: their names where /etc/passwd and /etc/group
+    have them. setpriv looks its arguments up as names first, and a number is a lookup that misses
+    in `files` and goes on to the next NSS module (libnss_systemd here: ~0.7 ms of every spawn)."""
+    try:
+        user = pwd.getpwuid(uid).pw_name
+        group = grp.getgrgid(uid).gr_name
+    except KeyError:
+        return str(uid), str(uid)
+    try:
+        same = pwd.getpwnam(user).pw_uid == uid and grp.getgrnam(group).gr_gid == uid
+    except KeyError:
+        same = False
+    return (user, group) if same and not user.isdigit() and not group.isdigit() else (str(uid), str(uid))
+
+
+def _open_view(workspace: Path, view: ShellView) -> list[tuple[str, int]]:
+    """Make the granted directories that are missing, then open what is to be bound (a granted
+    path that does not exist is left out); a symlink on the way refuses the call."""
+    binds: list[tuple[str, int]] = []
+    try:
+        for relpath in view.make:
+            workspace_files.make_dirs(workspace, relpath)
+        for relpath in view.binds:
+            fd = workspace_files.open_beneath(workspace, relpath)
+            if fd is not None:
+                binds.append((relpath, fd))
+    except BaseException:
+        _close(*(fd for _, fd in binds))
+        raise
+    return binds
+
+
+def _fd_checks(binds: list[tuple[str, int]]) -> str:
+    """For a bwrap without --bind-fd: the sandbox's first bash checks that each mount is the file
+    the worker opened (`-ef`: same device and inode), and closes that fd, which bwrap passes on
+    and which leads out of the sandbox, before anything of the command runs."""
+    checks = []
+    for relpath, fd in binds:
+        mount = shlex.quote(f"{SANDBOX_HOME}/{relpath}")
+        checks.append(f"if [ {mount} -ef /proc/self/fd/{fd} ]; then exec {fd}<&-; else "
+                      "echo 'runwarden: the workspace changed while the sandbox started; run again' >&2; "
+                      "exit 125; fi; ")
+    return "".join(checks)
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+        if chunk.rstrip().endswith(b"}"):
+            break
+    return b"".join(chunks)
+
+
