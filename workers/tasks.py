@@ -18,7 +18,7 @@ import redis
 from celery import Task, shared_task
 from celery.exceptions import Reject
 
-from shared import connections, keys, paths
+from shared import keys, paths
 from shared.errors import InternalError, RunwardenError, SandboxUnavailable, Unavailable
 from shared.keys import Status
 from shared.endings import NOT_RUN
