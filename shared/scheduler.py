@@ -32,6 +32,7 @@ from shared import keys
 DISPATCH = f"""
 local INFLIGHT, RING, MEMBERS = '{keys.inflight("")}', '{keys.ring("")}', '{keys.ring_members("")}'
 local WORKERS, CONCURRENCY, TASK = '{keys.queue_workers("")}', '{keys.CONCURRENCY}', '{keys.task("")}'
+local LEASE = '{keys.lease("")}'
 local HOLD, HOLDERS = '{keys.HOLD_INFIX}', '{keys.ring_holders("")}'
 local function capacity(queue, now)
   redis.call('ZREMRANGEBYSCORE', WORKERS .. queue, 0, now)  -- heartbeats that stopped
@@ -103,7 +104,13 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[6])) do
   -- Ended or gone; or still queued long after it was given to the queue, whose message a crash
   -- lost (a claim whose reply never came back, an API that died before publishing): its slot
   -- comes back. Should its message exist after all, it still runs; the queue is over capacity by one.
-  if (status ~= 'queued' and status ~= 'running') or (status == 'queued' and tonumber(since or '0') < stale) then
+  -- A slot given a minute ago is also taken back from a running call that holds no lease (a file
+  -- call whose message a Redis restart left unacked until the visibility timeout): at worst the
+  -- queue is over capacity by one while it really runs. A running shell call keeps its slot while
+  -- its lease lives (a dead one is reaped as lost, which frees it).
+  local old = tonumber(since or '0') < stale
+  if (status ~= 'queued' and status ~= 'running') or (old and status == 'queued')
+     or (old and redis.call('EXISTS', LEASE .. id) == 0) then
     redis.call('SREM', KEYS[6], id)
   end
 end
