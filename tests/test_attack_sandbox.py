@@ -23,6 +23,12 @@ from tests.streams import Received, connect
 from tests.waiting import cancel, ended, wait_until
 
 
+@pytest.fixture
+def agent(make_agent, sandbox_path):  # type: ignore[no-untyped-def]
+    """Every attack, on both paths: a sandbox spawned for the call, and one prepared ahead of it."""
+    return sandbox_path.wrap(make_agent())
+
+
 def run(agent, command: str, **parameters) -> dict:  # type: ignore[no-untyped-def]
     response = agent.shell(command, wait=30, **parameters)
     assert response.status_code == 200, response.text
