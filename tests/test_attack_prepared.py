@@ -155,24 +155,17 @@ def test_a_prepared_sandbox_that_died_is_not_used(make_agent, stack) -> None:
     assert counts(stack, str(agent.workspace)) == (hits, misses + 1)  # it started cold
 
 
-def test_revoking_the_token_kills_its_prepared_sandbox(make_agent, stack) -> None:
-    agent = make_agent()
-    child = prepared(agent)["child"]
-    jti = __import__("jwt").decode(agent.token, options={"verify_signature": False})["jti"]
-    revocations.revoke(stack.redis, jti, 3600, agent.tenant)
-    wait_until(lambda: prepared_for(stack, key_of(agent)) is None and gone(child), 30,
-               "the revoked token's prepared sandbox to be killed")
-
-
 def test_a_replaced_or_deleted_workspace_is_never_served_by_a_sandbox_prepared_before(make_agent, stack) -> None:
     operator = Operator(stack, f"t{uuid.uuid4().hex[:10]}")
     assert operator.put("r1", tar(file("old.txt", b"old\n"))).status_code == 201
     agent = make_agent(tenant=operator.tenant, run_id="r1")
     assert run(agent, "ls")["stdout"] == "old.txt\n"
     child = wait_ready(stack, key_of(agent))["child"]
+    hits = counts(stack, str(agent.workspace))[0]
     assert operator.put("r1", tar(file("new.txt", b"new\n")), replace=True).status_code == 201
+    assert run(agent, "ls; cat *")["stdout"] == "new.txt\nnew\n"  # at once: never the old tree
+    assert counts(stack, str(agent.workspace))[0] == hits  # it started cold
     wait_until(lambda: gone(child), 30, "the replaced workspace's prepared sandbox to be killed")
-    assert run(agent, "ls; cat *")["stdout"] == "new.txt\nnew\n"
     child = wait_ready(stack, key_of(agent))["child"]
     assert operator.delete("r1").status_code == 204
     wait_until(lambda: prepared_for(stack, key_of(agent)) is None and gone(child), 30,
@@ -269,11 +262,13 @@ def test_only_root_and_the_workers_uid_may_talk_to_the_keeper(stack) -> None:
 # --- the keeper's bounds, against a keeper of its own ------------------------------------------------------
 
 @pytest.fixture
-def own_keeper(stack: StackInfo, tmp_path: Path) -> Iterator[tuple[KeeperClient, Path, subprocess.Popen[bytes]]]:
-    """A keeper of 2 sandboxes, idle 2 s at most, on the session stack's Redis."""
+def own_keeper(request: pytest.FixtureRequest, stack: StackInfo) -> Iterator[tuple[KeeperClient, Path, subprocess.Popen[bytes]]]:
+    """A keeper of 2 sandboxes, idle 2 s at most (or as the test's `idle` mark says), on the
+    session stack's Redis."""
     root = devstack.reachable_dir("rw-keeper-")
+    idle = request.node.get_closest_marker("idle")
     env = {**stack.env, "RUNWARDEN_WORKSPACES": str(root / "ws"), "RUNWARDEN_PREPARED_SANDBOXES": "2",
-           "RUNWARDEN_PREPARED_IDLE": "2"}
+           "RUNWARDEN_PREPARED_IDLE": str(idle.args[0] if idle else 2)}
     settings = Settings.from_env(env, require_jwt=False)
     settings.workspaces.mkdir(parents=True)
     path = root / "keeper" / "k.sock"
@@ -337,6 +332,19 @@ def test_no_sandbox_for_a_token_that_has_ended_and_none_past_its_end(own_keeper)
     wait_until(lambda: soon.workspace in _ready(client), 60, "the short token's sandbox to be ready")
     wait_until(lambda: soon.workspace not in [e["workspace"] for e in _status(client)["prepared"]], 30,
                "the sandbox to end with its token")
+
+
+@pytest.mark.idle(600)  # so only the revocation can end it within the wait
+def test_revoking_its_token_kills_a_prepared_sandbox(own_keeper, stack) -> None:  # type: ignore[no-untyped-def]
+    client, root, _ = own_keeper
+    key, jti = _workspace(root, "revoked"), uuid.uuid4().hex
+    client.prepare(Ahead(key, "t", jti, time.time() + 600))
+    child = wait_until(lambda: next((e["child"] for e in _status(client)["prepared"] if e["ready"]), None), 60,
+                       "the sandbox to be ready")
+    revocations.revoke(stack.redis, jti, 3600, "t")
+    wait_until(lambda: not _status(client)["prepared"] and gone(child), 30, "the revoked token's sandbox to be killed")
+    client.prepare(Ahead(_workspace(root, "again"), "t", jti, time.time() + 600))  # nor started again for it
+    assert _status(client)["prepared"] == []
 
 
 def test_a_claim_for_another_key_gets_nothing(own_keeper) -> None:  # type: ignore[no-untyped-def]

@@ -50,7 +50,7 @@ import redis
 
 from shared import connections, keys
 from shared.paths import ShellView
-from shared.revocations import watch_entry
+from shared.revocations import is_revoked, watch_entry
 from shared.settings import Settings
 from workers import usage
 from workers import workspace as workspace_files
@@ -249,7 +249,7 @@ class Keeper:
         if (held := self.ready.get(ahead.key)) is not None:
             held.ready_since, held.ahead = time.monotonic(), ahead  # still unused: its idle time restarts
             return
-        if time.time() >= ahead.expires_at - EXPIRY_MARGIN_S or self._is_revoked(ahead):
+        if time.time() >= ahead.expires_at - EXPIRY_MARGIN_S or self._revoked_now(ahead):
             return
         while len(self.ready) >= self.limit:
             self._discard(min(self.ready.values(), key=lambda h: h.ready_since), "made room")
@@ -492,6 +492,18 @@ class Keeper:
             self.revoked = frozenset({"*"})
             return
         self.revoked = frozenset(entry.decode() for entry in found)
+
+    def _revoked_now(self, ahead: Ahead) -> bool:
+        """Asked of Redis itself before a sandbox is started (off any call's path), so none is
+        ever started for a revoked token; Redis unreachable counts as revoked."""
+        if ahead.jti is None:
+            return False
+        if self.redis is None:
+            return self._is_revoked(ahead)
+        try:
+            return is_revoked(self.redis, ahead.jti, ahead.tenant)
+        except redis.RedisError:
+            return True
 
     def _is_revoked(self, ahead: Ahead) -> bool:
         if ahead.jti is None:
