@@ -49,7 +49,10 @@ class Accepted:
             "tenant": self.grant.tenant, "run_id": self.grant.run_id, "sub": self.grant.sub, "idem_key": self.key,
             "call_id": self.call.call_id, "tool_name": self.call.tool_name,
             "parameters": self.call.parameters, "network": "shell:network" in self.grant.scopes,
-            **({"allowed_paths": list(self.grant.allowed_paths)} if self.call.tool.streams else {}),
+            # A shell call's worker prepares the run's next sandbox for no longer than this token
+            # is good for: its exp, and its jti should it be revoked (workers/sandbox/keeper.py).
+            **({"allowed_paths": list(self.grant.allowed_paths), "exp": self.grant.exp, "jti": self.grant.jti}
+               if self.call.tool.streams else {}),
         }
 
     def audit_subject(self) -> str:

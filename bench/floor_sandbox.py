@@ -15,10 +15,14 @@ import copy
 import dataclasses
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+from shared.paths import WHOLE_WORKSPACE
 from shared.settings import Settings
 from workers import sandbox
+from workers.sandbox.prepared import KeeperClient
 
 
 @dataclasses.dataclass
@@ -26,6 +30,44 @@ class FloorSandbox:
     bare: sandbox.BwrapRunner      # per-call cgroups off: the floor
     product: sandbox.BwrapRunner   # exactly as built for the worker (per-call cgroups where the host allows)
     workspace: Path
+    keeper: KeeperClient | None = None  # a keeper of the bench's own, for the hand-over part
+
+
+def start_keeper(floor: FloorSandbox, env: dict[str, str], root: Path) -> subprocess.Popen[bytes]:
+    """The product's keeper for the floor's workspace (as a worker starts it), for `handover_true`."""
+    path = root / "keeper" / "bench.sock"
+    process = subprocess.Popen([sys.executable, "-m", "workers.sandbox.keeper", "--socket", str(path)],
+                               env={**env, "RUNWARDEN_WORKSPACES": str(root)}, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    floor.keeper = KeeperClient(path)
+    return process
+
+
+def handover_true(floor: FloorSandbox) -> float:
+    """Seconds from claiming a prepared sandbox to `true`'s exit, read to its end and let go, as a
+    shell call does with it; the preparation (asked for, then waited for until ready) is untimed."""
+    assert floor.keeper is not None
+    key = sandbox.Key(str(floor.workspace), False, WHOLE_WORKSPACE)
+    floor.keeper.prepare(sandbox.Ahead(key, "bench", None, time.time() + 600))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        answer = floor.keeper.request({"op": "status"})
+        if answer and any(entry["ready"] for entry in answer[0]["prepared"]):
+            break
+        time.sleep(0.005)
+    t0 = time.perf_counter()
+    handed = floor.keeper.claim(key)
+    if handed is None:
+        raise RuntimeError("the bench's keeper handed nothing over")
+    stdin, handed.stdin = handed.stdin, -1
+    sandbox.write_frame(stdin, "", "true")
+    code = sandbox.communicate(handed, timeout_s=30)[0]
+    elapsed = time.perf_counter() - t0
+    if code != 0:
+        raise RuntimeError(f"a prepared sandbox's true exited {code}")
+    return elapsed
 
 
 def build(settings: Settings, floor_root: Path) -> FloorSandbox:

@@ -61,12 +61,14 @@ class Mode:
 PER_ROUND_FULL = {
     "floor.celery_bare": 100, "floor.bwrap_bare": 60, "floor.subprocess_true": 20,
     "part.celery_product": 60, "part.bwrap_product": 30, "part.bwrap_product_cgroup": 20,
+    "part.prepared_handover": 30,
     "part.atomic_replace": 30, "rw.read_file": 60, "rw.apply_file_patch": 100, "rw.idempotent_replay": 40,
     "rw.shell_next": 60, "rw.shell_first": 40, "rw.shell_true_ws": 10, "rw.echo_first_output": 10,
 }
 PER_ROUND_QUICK = {
     "floor.celery_bare": 30, "floor.bwrap_bare": 20, "floor.subprocess_true": 6,
     "part.celery_product": 20, "part.bwrap_product": 10, "part.bwrap_product_cgroup": 6,
+    "part.prepared_handover": 10,
     "part.atomic_replace": 10, "rw.read_file": 20, "rw.apply_file_patch": 30, "rw.idempotent_replay": 15,
     "rw.shell_next": 20, "rw.shell_first": 15, "rw.shell_true_ws": 4, "rw.echo_first_output": 4,
 }
@@ -87,6 +89,7 @@ LABELS = {
     "part.celery_product": "runwarden's Celery: `runwarden.ping` via gunicorn with its worker class and configuration",
     "part.bwrap_product": "runwarden's sandbox: BwrapRunner spawning `true` (argv, uid drop, limits, /etc, workspace)",
     "part.bwrap_product_cgroup": "runwarden's cold spawn path: the same in its per-call cgroup",
+    "part.prepared_handover": "a prepared sandbox: claimed from the keeper, `true` written, read to its exit, let go",
     "part.atomic_replace": "a patch's durable write alone: temp file, fsync, rename (30 bytes, beside the patched file)",
     "rw.read_file": "read_file, POST → 200",
     "rw.apply_file_patch": "apply_file_patch, POST → 200",
@@ -130,6 +133,9 @@ class Bench:
         self.floor = Http(bench.floor_url)
         self.bare = Http(bench.bare_url)
         self.sandbox = floor_sandbox.build(bench.settings, bench.root / "floor")
+        # A keeper of the bench's own, for the hand-over part; stopped with the stack.
+        bench.stack.children.append(("bench-keeper", floor_sandbox.start_keeper(self.sandbox, bench.env,
+                                                                                bench.root / "floor")))
         self.spare = workspace.SpareFile(bench.settings.workspaces)
         self.samples: dict[str, list[float]] = {name: [] for name in LABELS}
         self.errors: dict[str, dict[str, Any]] = {}
@@ -181,6 +187,9 @@ class Bench:
 
     def op_bwrap(self) -> float:
         return self._timed_exit(lambda: floor_sandbox.spawn_true(self.sandbox), "bwrap true")
+
+    def op_handover(self) -> float:
+        return floor_sandbox.handover_true(self.sandbox)
 
     def op_bwrap_cgroup(self) -> float:
         return self._timed_exit(lambda: floor_sandbox.spawn_true(self.sandbox, cgroup=True), "bwrap true (cgroup)")
@@ -295,7 +304,8 @@ class Bench:
     OPS: dict[str, str] = {
         "floor.celery_bare": "op_bare_noop", "floor.bwrap_bare": "op_bwrap_bare", "floor.subprocess_true": "op_subprocess",
         "part.celery_product": "op_ping_http", "part.bwrap_product": "op_bwrap",
-        "part.bwrap_product_cgroup": "op_bwrap_cgroup", "part.atomic_replace": "op_replace", "rw.read_file": "op_read",
+        "part.bwrap_product_cgroup": "op_bwrap_cgroup", "part.prepared_handover": "op_handover",
+        "part.atomic_replace": "op_replace", "rw.read_file": "op_read",
         "rw.apply_file_patch": "op_patch", "rw.idempotent_replay": "op_replay", "rw.shell_next": "op_shell_next",
         "rw.shell_first": "op_shell_first", "rw.shell_true_ws": "op_shell_ws", "rw.echo_first_output": "op_echo_first",
     }

@@ -93,6 +93,10 @@ class Settings:
     audit_maxlen: int = 100_000  # audit records kept per tenant (about: XADD MAXLEN ~)
     log_format: str = "text"  # or "json": one object a line
     test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
+    # Prepared sandboxes (workers/sandbox/keeper.py): at most this many per worker, 0 for none;
+    # each killed when unclaimed for `prepared_idle_s` seconds.
+    prepared_sandboxes: int = 4
+    prepared_idle_s: float = 10.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, *, require_jwt: bool = True) -> "Settings":
@@ -163,6 +167,8 @@ class Settings:
             stream_send_timeout_s=_int(env, "RUNWARDEN_STREAM_SEND_TIMEOUT", 60, 1),
             drain_s=_int(env, "RUNWARDEN_DRAIN_S", 20, 0),
             test_hold_dir=Path(env["RUNWARDEN_TEST_HOLD_DIR"]) if env.get("RUNWARDEN_TEST_HOLD_DIR") else None,
+            prepared_sandboxes=_int(env, "RUNWARDEN_PREPARED_SANDBOXES", 4, 0),
+            prepared_idle_s=_int(env, "RUNWARDEN_PREPARED_IDLE", 10, 1),
         )
 
     @property

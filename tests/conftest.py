@@ -104,6 +104,7 @@ class Agent:
                  commands: list[str] | None = None, ttl_s: int = 600) -> None:
         self.stack = stack
         self.tenant, self.run_id = tenant, run_id
+        self.scopes, self.paths = scopes, paths
         self.token = tokens.mint(stack.secret.encode(), tenant=tenant, run_id=run_id, sub="agent-1",
                                  scopes=scopes, paths=paths, ttl_s=ttl_s, commands=commands)
         self.http = requests.Session()
@@ -161,6 +162,17 @@ ALL_SCOPES = ["files:read", "files:write", "shell:exec"]
 @pytest.fixture
 def agent(stack: StackInfo) -> Agent:
     return Agent(stack, f"t{uuid.uuid4().hex[:10]}", f"r{uuid.uuid4().hex[:8]}", ALL_SCOPES, ["**"])
+
+
+@pytest.fixture(params=["cold", "prepared"])
+def sandbox_path(request: pytest.FixtureRequest, stack: StackInfo):  # type: ignore[no-untyped-def]
+    """Each test that asks for it runs twice: its shell calls in sandboxes spawned cold, then in
+    sandboxes the keeper prepared (tests/sandboxes.py), and checks they did."""
+    from tests.sandboxes import SandboxPath
+    path = SandboxPath(stack, request.param)
+    path.start()
+    yield path
+    path.finish()
 
 
 @pytest.fixture

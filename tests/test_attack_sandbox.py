@@ -23,6 +23,12 @@ from tests.streams import Received, connect
 from tests.waiting import cancel, ended, run, wait_until
 
 
+@pytest.fixture
+def agent(make_agent, sandbox_path):  # type: ignore[no-untyped-def]
+    """Every attack, on both paths: a sandbox spawned for the call, and one prepared ahead of it."""
+    return sandbox_path.wrap(make_agent())
+
+
 def host_processes_of(stack, name: str) -> list[int]:  # type: ignore[no-untyped-def]
     """Pids of host processes whose parent is one of the stack's `name` processes (pool children)."""
     parents = {p.pid for child_name, p in stack.stack.children if name in " ".join(map(str, p.args))}

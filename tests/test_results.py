@@ -18,6 +18,7 @@ import pytest
 from shared.endings import Termination, decide
 from shared.settings import Settings
 from tests.conftest import ALL_SCOPES, Agent, StackInfo, reachable_workspaces, start_stack
+from tests.sandboxes import SandboxPath
 from tests.streams import collect, connect, watch
 from tests.waiting import cancel, ended, wait_until
 from workers import usage
@@ -64,9 +65,24 @@ def small(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     shutil.rmtree(workspaces, ignore_errors=True)
 
 
+@pytest.fixture(params=["cold", "prepared"])
+def small_path(request: pytest.FixtureRequest, small: StackInfo):  # type: ignore[no-untyped-def]
+    path = SandboxPath(small, request.param)
+    path.start()
+    yield path
+    path.finish()
+
+
+# Usage and termination are the same on both paths (contract section 13): each test that runs its
+# calls one after another runs twice, in sandboxes spawned for the call and in prepared ones.
 @pytest.fixture
-def small_agent(small: StackInfo) -> Agent:
-    return Agent(small, f"t{uuid.uuid4().hex[:10]}", f"r{uuid.uuid4().hex[:8]}", ALL_SCOPES, ["**"])
+def small_agent(small: StackInfo, small_path: SandboxPath) -> Agent:
+    return small_path.wrap(Agent(small, f"t{uuid.uuid4().hex[:10]}", f"r{uuid.uuid4().hex[:8]}", ALL_SCOPES, ["**"]))
+
+
+@pytest.fixture
+def agent(make_agent: Any, sandbox_path: SandboxPath) -> Agent:
+    return sandbox_path.wrap(make_agent())
 
 
 def test_precedence_of_what_runwarden_knows() -> None:
@@ -208,9 +224,10 @@ def test_a_timeout_is_timed_out(agent: Agent) -> None:
     assert result["termination"] == "timed_out" and result["timed_out"] is True
 
 
-def test_a_cancel_is_cancelled_running_or_queued(agent: Agent) -> None:
+def test_a_cancel_is_cancelled_running_or_queued(make_agent: Any) -> None:
     """A running call's result and event say cancelled with its usage; a queued one's (it never ran)
-    say cancelled with null usage."""
+    say cancelled with null usage. (Three calls of one run at once: whichever path each takes.)"""
+    agent = make_agent()
     gate = f"go-{uuid.uuid4().hex[:8]}"
     blockers = [start(agent, f"echo ready; while [ ! -e {gate} ]; do sleep 0.05; done") for _ in range(2)]
     try:
@@ -234,8 +251,9 @@ def test_a_cancel_is_cancelled_running_or_queued(agent: Agent) -> None:
     assert exit_event["peak_memory_bytes"] is None and exit_event["cpu_time_ms"] is None
 
 
-def test_a_call_that_could_not_start_has_no_termination(agent: Agent) -> None:
+def test_a_call_that_could_not_start_has_no_termination(make_agent: Any) -> None:
     """`failed`: the command never ran, so nothing ended it."""
+    agent = make_agent()
     run_to_end(agent, "mkdir real && ln -s real link")
     task_id = start(agent, "true", cwd="link")
     exit_event = watch(agent, task_id).exit

@@ -108,8 +108,8 @@ class Cgroups:
         is removed once empty. Making the new group costs 0.3-1 ms here, after the answer."""
         if self._own is None or self._own[0] != os.getpid():
             return
-        self._retired = [group for group in self._retired if not _remove_now(group)]
-        held = _charged_bytes(self._own[1])
+        self._retired = [group for group in self._retired if not remove_now(group)]
+        held = charged_bytes(self._own[1])
         if held is not None and held > self.leftover_bytes:
             self._retired.append(self._own[1])
             self._generation += 1
@@ -258,7 +258,7 @@ def group_name(pid: int, generation: int = 0) -> str:
     return f"pool-{pid}-{_start_time(pid)}" + (f".{generation}" if generation else "")
 
 
-def _charged_bytes(group: CallGroup) -> int | None:
+def charged_bytes(group: CallGroup) -> int | None:
     """What the group's memory holds now (its processes are gone: page cache), None if unreadable."""
     for kind, name in (("v2", "memory.current"), ("memory", "memory.usage_in_bytes")):
         if (directory := group.directory(kind)) is not None:
@@ -269,7 +269,7 @@ def _charged_bytes(group: CallGroup) -> int | None:
     return None
 
 
-def _remove_now(group: CallGroup) -> bool:
+def remove_now(group: CallGroup) -> bool:
     """rmdir the group's directories if they are empty; False while one is still busy."""
     gone = True
     for directory in group.dirs:

@@ -12,6 +12,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.signals import (celeryd_after_setup, setup_logging, task_postrun, task_prerun, worker_init,
+                            worker_process_init,
                             worker_process_shutdown, worker_ready, worker_shutdown, worker_shutting_down)
 from prometheus_client import multiprocess
 
@@ -25,6 +26,9 @@ from shared.scheduler import Scheduler
 from shared.settings import Settings
 from workers import metrics, runtime, sandbox
 from workers.runtime import WORKER_NAME
+from workers.sandbox import BwrapRunner
+from workers.sandbox.keeper import KeeperProcess
+from workers.sandbox.prepared import KeeperClient, PreparedRunner, keeper_socket
 from workers.tasks import reap_lost_calls
 from workers.workspaces import sweep_forever
 
@@ -36,6 +40,7 @@ def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
     settings = host.settings
     stop = threading.Event()
     pools: list[Pool] = []  # this worker's, once it is ready
+    keepers: list[KeeperProcess] = []  # its sandbox keeper, if it has one
     if settings.log_format == "json":
         connect_json_logs(settings)
 
@@ -59,7 +64,7 @@ def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
             metrics.sandbox_failed()
             host.sandbox_error = f"sandbox setup failed: {type(exc).__name__}: {exc}"
             return
-        host.runner = runner
+        host.runner = with_keeper(settings, runner, keepers)
 
     @worker_ready.connect(weak=False)
     def start_reaper(sender: Any, **_: object) -> None:
@@ -102,11 +107,18 @@ def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
     @worker_shutdown.connect(weak=False)
     def stop_reaper(**_: object) -> None:
         stop.set()
+        for keeper in keepers:  # the pool has stopped: no call holds a prepared sandbox
+            keeper.stop()
         # The pool has stopped: the groups of its processes go, also of those killed outright
         # (a SIGTERM to the whole process group kills pool processes before they can remove theirs).
         cgroups = getattr(host.runner, "cgroups", None)
         if cgroups is not None:
             cgroups.sweep()
+
+    @worker_process_init.connect(weak=False)
+    def leave_the_keeper_to_the_main_process(**_: object) -> None:
+        for keeper in keepers:
+            keeper.in_pool_process()
 
     @worker_process_shutdown.connect(weak=False)
     def remove_cgroup(**_: object) -> None:
@@ -115,6 +127,20 @@ def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
         _release_cgroup(host.runner)
         if settings.metrics_dir is not None:  # its live gauges go with it (its counters stay counted)
             multiprocess.mark_process_dead(os.getpid(), str(settings.metrics_dir))
+
+
+def with_keeper(settings: Settings, runner: sandbox.Runner, keepers: list[KeeperProcess]) -> sandbox.Runner:
+    """The runner the pool uses: bwrap's, with a keeper preparing each run's next sandbox where
+    RUNWARDEN_PREPARED_SANDBOXES allows (workers/sandbox/keeper.py); the runner itself otherwise,
+    or if the keeper does not start (the pool's calls then all start cold)."""
+    if not isinstance(runner, BwrapRunner) or settings.prepared_sandboxes <= 0:
+        return runner
+    keeper = KeeperProcess(settings, keeper_socket(settings, os.getpid()))
+    if not keeper.start():
+        return runner
+    keeper.supervise()
+    keepers.append(keeper)
+    return PreparedRunner(runner, KeeperClient(keeper.path))
 
 
 def connect_json_logs(settings: Settings) -> None:

@@ -22,6 +22,9 @@ QUEUE_WAIT = Histogram("runwarden_queue_wait_seconds", "Seconds from a call's ac
                        ["tool"], buckets=metrics.WAIT_BUCKETS)
 STREAM_BYTES = Counter("runwarden_stream_bytes_total", "Bytes of command output relayed into output streams",
                        ["stream"])
+SANDBOX_STARTS = Counter("runwarden_sandbox_starts_total",
+                         "Shell calls by how their sandbox started: prepared ahead of the call by the keeper, or cold",
+                         ["how"])
 SANDBOX_FAILURES = Counter("runwarden_sandbox_failures_total",
                            "Shell calls refused because the sandbox would not start (and failed self-tests)")
 
@@ -35,6 +38,10 @@ def output_relayed(result: dict[str, Any]) -> None:
     for stream in ("stdout", "stderr"):
         if size := result.get(f"{stream}_bytes"):
             STREAM_BYTES.labels(stream).inc(size)
+
+
+def sandbox_started(how: str) -> None:
+    SANDBOX_STARTS.labels(how).inc()
 
 
 def sandbox_failed() -> None:

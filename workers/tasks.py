@@ -26,6 +26,7 @@ from shared.records import Records
 from workers import metrics, runtime, workspace
 from workers.files import Prepared, read_file as read_file_tool
 from workers.runtime import Runtime
+from workers.sandbox import Ahead, Key
 from workers.shell import ShellCall
 
 log = logging.getLogger("runwarden.tasks")
@@ -189,6 +190,8 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         metrics.call_started(call["tool_name"], started.queue_wait_s)
         status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
         ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        if status is not Status.FAILED:
+            _prepare_next(ctx, call)
         metrics.output_relayed(result)
         count_output(ctx.redis, call["tenant"], result)
         if ctx.runner is not None:
@@ -197,6 +200,18 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     finally:
         with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
             control.unsubscribe(keys.control(task_id))
+
+
+def _prepare_next(ctx: Runtime, call: dict[str, Any]) -> None:
+    """Once a call has answered, its run's next call is likely to come soon (an agent makes its
+    calls in a row): the runner may start its sandbox now (workers/sandbox/keeper.py), for as long
+    as the call's token is good. A message without the token's exp (an older API) gets none."""
+    if ctx.runner is None or not isinstance(call.get("exp"), int):
+        return
+    view = paths.shell_view(tuple(call.get("allowed_paths", ())))
+    key = Key(str(ctx.workspace(call["tenant"], call["run_id"])), bool(call.get("network", False)), view)
+    jti = call.get("jti")
+    ctx.runner.prepare(Ahead(key, call["tenant"], jti if isinstance(jti, str) else None, float(call["exp"])))
 
 
 def count_output(client: redis.Redis, tenant: str, result: dict[str, Any]) -> None:

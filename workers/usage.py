@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from shared.endings import UNMEASURED, Usage
 from workers.cgroups import CallGroup, Cgroups
@@ -31,12 +31,19 @@ log = logging.getLogger("runwarden.usage")
 class Meter(Protocol):
     def stop(self) -> Usage: ...
 
+    def handover(self) -> tuple[dict[str, Any], list[int]]:
+        """What another process needs to stop this meter (`resume`): its figures at the start,
+        and the fds it holds, which it then owns (sent with SCM_RIGHTS). This one is spent."""
+
 
 class _Unmeasured:
     """A host that gives runwarden no cgroup: nothing is known."""
 
     def stop(self) -> Usage:
         return UNMEASURED
+
+    def handover(self) -> tuple[dict[str, Any], list[int]]:
+        return {"kind": "none"}, []
 
 
 NO_METER = _Unmeasured()
@@ -77,12 +84,19 @@ def _keyed(path: Path, key: bytes) -> int:
 
 
 class _V1Meter:
-    def __init__(self, memory: Path, cpuacct: Path | None) -> None:
+    def __init__(self, memory: Path, cpuacct: Path | None, started: dict[str, Any] | None = None) -> None:
         self.memory, self.cpuacct = memory, cpuacct
+        if started is not None:  # resumed: started by another process (see handover)
+            self.held, self.oom_kills, self.cpu_ns = started["held"], started["oom_kills"], started["cpu_ns"]
+            return
         _write(memory / "memory.max_usage_in_bytes", b"0")  # the mark restarts at what the group holds now
         self.held = int(_read(memory / "memory.max_usage_in_bytes"))
         self.oom_kills = _keyed(memory / "memory.oom_control", b"oom_kill")
         self.cpu_ns = int(_read(cpuacct / "cpuacct.usage")) if cpuacct is not None else None
+
+    def handover(self) -> tuple[dict[str, Any], list[int]]:
+        return {"kind": "v1", "memory": str(self.memory), "cpuacct": str(self.cpuacct) if self.cpuacct else None,
+                "held": self.held, "oom_kills": self.oom_kills, "cpu_ns": self.cpu_ns}, []
 
     def stop(self) -> Usage:
         try:
@@ -98,11 +112,21 @@ class _V1Meter:
 
 
 class _V2Meter:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, started: dict[str, Any] | None = None, peak_fd: int | None = None) -> None:
         self.directory = directory
+        if started is not None:  # resumed: the reset memory.peak fd came with it
+            self.oom_kills, self.cpu_us, self.held, self.peak_fd = (started["oom_kills"], started["cpu_us"],
+                                                                    started["held"], peak_fd)
+            return
         self.oom_kills = _keyed(directory / "memory.events", b"oom_kill")
         self.cpu_us = _keyed(directory / "cpu.stat", b"usage_usec")
         self.peak_fd, self.held = _reset_peak(directory / "memory.peak")  # last: nothing after it can fail
+
+    def handover(self) -> tuple[dict[str, Any], list[int]]:
+        """memory.peak's reset is per open file (Linux 6.12): the fd itself travels."""
+        fds, self.peak_fd = ([self.peak_fd] if self.peak_fd is not None else []), None
+        return {"kind": "v2", "directory": str(self.directory), "oom_kills": self.oom_kills, "cpu_us": self.cpu_us,
+                "held": self.held, "peak": bool(fds)}, fds
 
     def stop(self) -> Usage:
         try:
@@ -119,6 +143,20 @@ class _V2Meter:
             if self.peak_fd is not None:
                 os.close(self.peak_fd)
         return Usage(peak_memory_bytes=peak, cpu_time_ms=cpu_ms, oom_kills=max(oom_kills, 0))
+
+
+def resume(started: dict[str, Any], fds: list[int]) -> Meter:
+    """A meter another process started (its `handover`), to stop here; `fds` are the ones it sent."""
+    try:
+        if started["kind"] == "v1":
+            return _V1Meter(Path(started["memory"]), Path(started["cpuacct"]) if started["cpuacct"] else None, started)
+        if started["kind"] == "v2":
+            return _V2Meter(Path(started["directory"]), started, fds[0] if started["peak"] and fds else None)
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("cannot resume a call's meter (%s): its usage is null", exc)
+    for fd in fds:
+        os.close(fd)
+    return NO_METER
 
 
 def _reset_peak(path: Path) -> tuple[int | None, int]:

@@ -188,6 +188,7 @@ class Operations:
         """Rename the staging directory in; a replaced workspace is renamed aside first."""
         if replace and os.path.lexists(place.target):
             os.rename(place.target, place.trash)
+            self._forget(place)
             try:
                 os.rename(place.staging, place.target)
             except OSError:  # a call made the directory anew in between: put the old one back
@@ -202,6 +203,12 @@ class Operations:
             raise
         return ()
 
+    def _forget(self, place: Place) -> None:
+        """A sandbox prepared for the run binds the old directory: it must serve no call (the
+        keepers of other hosts see the path's directory change; this one is told at once)."""
+        if self.runner is not None:
+            self.runner.forget(place.target)
+
     def delete(self, message: dict[str, Any]) -> Outcome:
         place = self._place(message)
         lock = self._locked(place)
@@ -211,6 +218,7 @@ class Operations:
             on_disk = os.path.lexists(place.target)
             if on_disk:
                 os.rename(place.target, place.trash)  # gone at once; removed after the answer
+                self._forget(place)
             recorded = self.registry.remove(place.tenant, place.run_id)
             if not (on_disk or recorded):
                 raise NotFound("No such workspace.")

@@ -91,6 +91,41 @@ class Process(Protocol):
         """Let go of its pipes and of what it held; the tree must be gone (kill, wait) first."""
 
 
+@dataclass(frozen=True)
+class Key:
+    """What a sandbox is made for, beyond its command: the run's workspace, whether it has the
+    network, and the view of the workspace the token's allowed_paths give. A sandbox prepared for
+    one key is only ever handed to a call with the same key."""
+
+    workspace: str
+    network: bool
+    view: ShellView
+
+    def wire(self) -> dict[str, object]:
+        view = self.view
+        return {"workspace": self.workspace, "network": self.network,
+                "view": {"whole": view.whole, "make": list(view.make), "binds": list(view.binds)}}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, object]) -> "Key":
+        view = data["view"]
+        if not isinstance(view, dict) or not isinstance(data["workspace"], str):
+            raise ValueError("malformed key")
+        return cls(data["workspace"], data["network"] is True,
+                   ShellView(view["whole"] is True, tuple(map(str, view["make"])), tuple(map(str, view["binds"]))))
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A run's next sandbox, asked for once one of its calls has ended: for its key, and no longer
+    than its token is good for (`expires_at`, its exp; its jti, should it be revoked)."""
+
+    key: Key
+    tenant: str
+    jti: str | None
+    expires_at: float
+
+
 class Runner(Protocol):
     name: str
 
@@ -99,6 +134,12 @@ class Runner(Protocol):
 
     def after_call(self) -> None:
         """Work for between calls, once a call has answered (its cgroup's upkeep)."""
+
+    def prepare(self, ahead: Ahead) -> None:
+        """Start the run's next sandbox ahead of its call, where the runner can."""
+
+    def forget(self, workspace: Path) -> None:
+        """A workspace was deleted or replaced: nothing prepared for it may serve a call."""
 
 
 def check_cwd(view: ShellView, cwd: str) -> None:
@@ -225,13 +266,7 @@ class PopenProcess:
     def started(self) -> bool:
         """Until bwrap's init has forked the command, the group holds the init alone (which
         ignores what it has no handler for), or does not exist yet."""
-        if not self.sandbox_init:
-            return True
-        leader = self.group_leader
-        try:
-            return bool(Path(f"/proc/{leader}/task/{leader}/children").read_text().strip())
-        except OSError:
-            return True  # the init is gone, or this kernel has no such file: send, as before
+        return not self.sandbox_init or init_has_forked(self.group_leader)
 
     def ended_by_signal(self) -> bool:
         """Unsandboxed, the wait status says so. bubblewrap reports a command's death by signal N
@@ -258,16 +293,7 @@ class PopenProcess:
         killpg and setsid are serialized by the kernel. (bwrap's pid is only used while it is
         unreaped, so it cannot name another process by then.)
         """
-        bwrap_group = [self.popen.pid] if self.popen.returncode is None else []
-        for group in dict.fromkeys([*bwrap_group, self.group_leader]):
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.popen.kill()
-        except ProcessLookupError:
-            pass
+        kill_tree(self.popen, self.group_leader)
 
     def poll(self) -> int | None:
         code = self.popen.poll()
@@ -286,6 +312,30 @@ class PopenProcess:
         for pipe in (self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def init_has_forked(init: int) -> bool:
+    """Whether bwrap's init has forked the sandbox's shell yet: until then a signal to its group
+    reaches the init alone, which ignores what it has no handler for."""
+    try:
+        return bool(Path(f"/proc/{init}/task/{init}/children").read_text().strip())
+    except OSError:
+        return True  # the init is gone, or this kernel has no such file: send, as before
+
+
+def kill_tree(popen: subprocess.Popen[bytes], group_leader: int) -> None:
+    """SIGKILL bwrap's process group while bwrap is unreaped (its pid cannot name another), the
+    group `group_leader` leads, and bwrap itself (see PopenProcess.kill)."""
+    bwrap_group = [popen.pid] if popen.returncode is None else []
+    for group in dict.fromkeys([*bwrap_group, group_leader]):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        popen.kill()
+    except ProcessLookupError:
+        pass
 
 
 def _shell_code(code: int) -> int:

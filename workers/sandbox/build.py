@@ -68,7 +68,8 @@ def communicate(process: Process, timeout_s: float) -> tuple[int, bytes, bytes]:
     let go of it. For commands whose output is small (a self-test, the bench's floor, unit tests);
     a shell call has its own loop (workers/shell.py)."""
     deadline = time.monotonic() + timeout_s
-    chunks: dict[int, list[bytes]] = {process.stdout: [], process.stderr: []}
+    out, err = process.stdout, process.stderr
+    chunks: dict[int, list[bytes]] = {out: [], err: []}
     try:
         with selectors.DefaultSelector() as selector:
             for fd in chunks:
@@ -88,4 +89,4 @@ def communicate(process: Process, timeout_s: float) -> tuple[int, bytes, bytes]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(5)
         process.close()
-    return code, b"".join(chunks[process.stdout]), b"".join(chunks[process.stderr])
+    return code, b"".join(chunks[out]), b"".join(chunks[err])

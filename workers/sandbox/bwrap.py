@@ -27,14 +27,15 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import SandboxUnavailable
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers import workspace as workspace_files
-from workers.cgroups import Cgroups
-from workers.sandbox.base import (COMMAND_READER, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
+from workers.cgroups import CallGroup, Cgroups
+from workers.sandbox.base import (Ahead, COMMAND_READER, kill_tree, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
                                   check_cwd, environment, let_commands_start_with_default_signals, write_frame)
 
 _SYSTEM_DIRS = ("/usr", "/opt/conda")  # read-only; /bin, /lib… are symlinks into /usr on merged-usr systems
@@ -69,6 +70,12 @@ class BwrapRunner:
     def after_call(self) -> None:
         if self.cgroups:
             self.cgroups.renew_if_charged()
+
+    def prepare(self, ahead: Ahead) -> None:
+        """Nothing ahead of time: this runner starts each sandbox when its call comes."""
+
+    def forget(self, workspace: Path) -> None:
+        """Nothing kept between calls."""
 
     def _system_options(self) -> list[str]:
         """The options every sandbox shares: namespaces, the system read-only, /etc as one directory."""
@@ -144,16 +151,29 @@ class BwrapRunner:
     def _spawn(self, workspace: Path, network: bool, binds: list[tuple[str, int]] | None,
                meter: usage.Meter = usage.NO_METER) -> tuple[PopenProcess, int]:
         """The sandbox, started and waiting for its command, and the write end of its stdin."""
+        launched = self.launch(workspace, network, binds, self.cgroups.for_this_process() if self.cgroups else None)
+        try:
+            info = _read_all(launched.status)
+        finally:
+            os.close(launched.status)
+        child = launched.settle(info)
+        return PopenProcess(launched.popen, child, meter, sandbox_init=True), launched.stdin
+
+    def launch(self, workspace: Path, network: bool, binds: list[tuple[str, int]] | None,
+               cgroup: CallGroup | None, *, json_status: bool = False) -> "Launched":
+        """Start bwrap, in `cgroup`, without waiting for it: its child's pid comes on `status`
+        (`--info-fd`, or `--json-status-fd`, which also gives the exit code at the end, for a
+        sandbox whose parent is not the one that waits for it), then `Launched.settle`."""
         let_commands_start_with_default_signals()
-        cgroup = self.cgroups.for_this_process() if self.cgroups else None
         born_inside = cgroup is not None and cgroup.spawns_inside
-        info_read, info_write = os.pipe()
+        info_read, info_write = os.pipe2(os.O_CLOEXEC)
         # Where the sandbox cannot be born in its cgroup, bwrap waits on --block-fd until it is moved in.
-        block_read, block_write = os.pipe() if cgroup and not born_inside else (None, None)
+        block_read, block_write = os.pipe2(os.O_CLOEXEC) if cgroup and not born_inside else (None, None)
         # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
         # show host paths such as the workspaces root.
         options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
-        argv = self.argv(workspace, network, info_write, block_read, binds)
+        argv = self.argv(workspace, network, info_write, block_read, binds,
+                         "--json-status-fd" if json_status else "--info-fd")
         split = argv.index("--")
         os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
         os.lseek(options, 0, os.SEEK_SET)
@@ -165,35 +185,13 @@ class BwrapRunner:
                                     [info_write, options, block_read, *(fd for _, fd in binds or ())])
         except BaseException:
             if popen is not None:  # started, but this thread could not leave the call's cgroup
-                PopenProcess(popen, group_leader=popen.pid).kill()  # bwrap's group: its child is still in it
+                kill_tree(popen, popen.pid)  # bwrap's group: its child is still in it
                 popen.wait()
             _close(info_read, block_write, stdin_write)
             raise
         finally:
             _close(info_write, options, block_read, stdin_read)
-        try:
-            info = _read_all(info_read)
-        finally:
-            os.close(info_read)
-        try:
-            child = int(json.loads(info)["child-pid"])
-        except (ValueError, KeyError):
-            _close(block_write, stdin_write)
-            stderr = popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
-            raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
-        process = PopenProcess(popen, child, meter, sandbox_init=True)
-        if cgroup is not None and block_write is not None:
-            try:
-                cgroup.add(child)  # bwrap's sandbox child, before it starts anything
-            except OSError as exc:
-                process.kill()  # never let it run unbounded: bwrap reads EOF as "go" too
-                popen.wait()
-                process.close()
-                _close(stdin_write)
-                raise SandboxUnavailable(f"cannot move the sandbox into its cgroup: {exc}") from None
-            finally:
-                _close(block_write)
-        return process, stdin_write
+        return Launched(popen, info_read, stdin_write, cgroup if block_write is not None else None, block_write)
 
     def _popen(self, command: list[str], options: int, stdin: int, fds: list[int | None]) -> subprocess.Popen[bytes]:
         """Start bwrap (as the unprivileged uid, through setpriv, when we are root); no preexec_fn,
@@ -213,6 +211,49 @@ class BwrapRunner:
             pass_fds=tuple(fd for fd in fds if fd is not None), start_new_session=True, **drop,
         )
 
+
+
+@dataclass
+class Launched:
+    """A bwrap just started (BwrapRunner.launch): it sets the sandbox up, whose shell then waits
+    for its command on `stdin` (base.write_frame)."""
+
+    popen: subprocess.Popen[bytes]
+    status: int  # the read end of its --info-fd or --json-status-fd
+    stdin: int  # the write end of the sandbox's stdin
+    move_into: CallGroup | None  # the group to move its child into, while it waits on --block-fd
+    block: int | None  # the write end of that --block-fd
+
+    def settle(self, info: bytes) -> int:
+        """The sandbox's child pid from bwrap's first status message, moved into its group if it
+        waits for that; SandboxUnavailable (and nothing left running) if bwrap did not start it."""
+        try:
+            child = int(json.loads(info)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            self.abort()
+            stderr = self.popen.communicate(timeout=5)[1].decode(errors="replace")[-500:]
+            raise SandboxUnavailable(f"bubblewrap did not start: {stderr.strip() or 'no reason given'}") from None
+        if self.move_into is not None and self.block is not None:
+            try:
+                self.move_into.add(child)  # bwrap's sandbox child, before it starts anything
+            except OSError as exc:
+                kill_tree(self.popen, child)  # never let it run unbounded: bwrap reads EOF as "go" too
+                self.popen.wait()
+                self.abort()
+                raise SandboxUnavailable(f"cannot move the sandbox into its cgroup: {exc}") from None
+            finally:
+                _close(self.block)
+                self.block = None
+        return child
+
+    def abort(self) -> None:
+        """Let go of what the spawner holds of it (its stdin, its --block-fd); bwrap's pipes too,
+        once it is reaped. Once only: each fd is forgotten as it is closed."""
+        _close(self.stdin, self.block)
+        self.stdin, self.block = -1, None
+        for pipe in (self.popen.stdout, self.popen.stderr):
+            if pipe is not None and self.popen.returncode is not None:
+                pipe.close()
 
 
 def _names_for(uid: int) -> tuple[str, str]:
@@ -262,8 +303,9 @@ def _fd_checks(binds: list[tuple[str, int]]) -> str:
 
 
 def _close(*fds: int | None) -> None:
+    """Close the fds given; None, or -1 for one handed on already, is skipped."""
     for fd in fds:
-        if fd is not None:
+        if fd is not None and fd >= 0:
             os.close(fd)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers.cgroups import Cgroups
-from workers.sandbox.base import (Limits, PopenProcess, backstop_prelude, check_cwd, environment,
+from workers.sandbox.base import (Ahead, Limits, PopenProcess, backstop_prelude, check_cwd, environment,
                                   let_commands_start_with_default_signals)
 
 
@@ -28,6 +28,12 @@ class UnsafeRunner:
     def after_call(self) -> None:
         if self.cgroups:
             self.cgroups.renew_if_charged()
+
+    def prepare(self, ahead: Ahead) -> None:
+        """Nothing ahead of time: this runner starts each sandbox when its call comes."""
+
+    def forget(self, workspace: Path) -> None:
+        """Nothing kept between calls."""
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
               view: ShellView = WHOLE_WORKSPACE) -> PopenProcess:
