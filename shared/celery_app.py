@@ -11,6 +11,7 @@ from __future__ import annotations
 from celery import Celery
 
 from shared import keys
+from shared.broker import transport_for
 from shared.connections import celery_transport_options
 from shared.schema import TOOLS
 from shared.settings import Settings
@@ -36,6 +37,7 @@ def create_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         # A backstop: pool children stay flat in the bench's soak, but one that grows is recycled.
         worker_max_memory_per_child=256 * 1024,
+        broker_transport=transport_for(settings.redis_url),  # kombu's, repaired: shared/broker.py
         broker_transport_options=transport,
         result_backend_transport_options=transport,
         result_expires=3600,  # runwarden keeps its own record of every outcome for 24 h

@@ -1,0 +1,66 @@
+"""The broker transport's repair (shared/broker.py), on a real Redis: a channel closed after kombu
+let go of its connection, holding a message it received and did not ack, is a connection error the
+close ignores (kombu's own transport raised AttributeError there, which stopped the worker), and
+the message is kept for the visibility timeout to give back."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import kombu
+import pytest
+import redis
+
+from runwarden import devstack
+from shared import broker
+from shared.celery_app import create_celery
+from shared.settings import Settings
+
+QUEUE = "broker-test"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    stack = devstack.Stack()
+    url = devstack.start_redis(stack, Path(tmp_path_factory.mktemp("broker")))
+    yield url
+    stack.stop()
+
+
+def received_unacked(redis_url: str, transport: object) -> tuple[kombu.Connection, object]:
+    """A connection and its channel holding one message it received and has not acked."""
+    connection = kombu.Connection(redis_url, transport=transport)
+    channel = connection.default_channel
+    with connection.Producer(channel) as producer:
+        producer.publish({"n": 1}, routing_key=QUEUE, declare=[kombu.Queue(QUEUE)])
+    message = channel.basic_get(QUEUE, no_ack=False)
+    assert message is not None
+    channel.connection.client = None  # what kombu's close of the connection's transport does
+    channel._pool = None  # as the channel's close does before it gives messages back
+    return connection, channel
+
+
+def test_closing_a_let_go_channel_is_a_connection_error_and_keeps_the_message(redis_url: str) -> None:
+    connection, channel = received_unacked(redis_url, broker.transport_for(redis_url))
+    with pytest.raises(redis.exceptions.ConnectionError):
+        channel.close()
+    connection.maybe_close_channel(channel)  # how kombu closes it: ignored, as any connection error
+    client = redis.Redis.from_url(redis_url)
+    assert client.hlen("unacked") == 1  # kept: the visibility timeout gives it back
+    client.delete("unacked", "unacked_index", QUEUE)
+
+
+def test_kombu_alone_raised_attribute_error_there(redis_url: str) -> None:
+    """Shows the test above tests the repair: without it the same close is an AttributeError, which
+    Celery's consumer takes as unrecoverable."""
+    connection, channel = received_unacked(redis_url, "redis")
+    with pytest.raises(AttributeError, match="hostname"):
+        connection.maybe_close_channel(channel)
+    redis.Redis.from_url(redis_url).delete("unacked", "unacked_index", QUEUE)
+
+
+def test_celery_is_given_the_repaired_transport() -> None:
+    for url, kind in (("redis://h:1/0", broker.Transport), ("sentinel://s1;sentinel://s2", broker.SentinelTransport)):
+        app = create_celery(Settings.from_env({"RUNWARDEN_REDIS_URL": url}, require_jwt=False))
+        with app.connection_for_write() as connection:
+            assert isinstance(connection.transport, kind)
