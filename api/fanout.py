@@ -32,7 +32,8 @@ from redis.exceptions import RedisError
 
 from api.follow import READ_COUNT
 from api.wsconn import WsConnection
-from shared import keys
+from shared import connections, keys
+from shared.settings import Settings
 
 EXIT_PREFIX = b'{"type":"exit"'
 HOT_BLOCK_MS = 2000  # the hot reader is woken for a new stream; this bounds a lost wake
@@ -85,9 +86,9 @@ class Stream:
 class Reader:
     """One Redis connection in XREAD BLOCK, and the wake key that ends its wait."""
 
-    def __init__(self, url: str, control: aredis.Redis, instance: str, name: str) -> None:
-        self.client = aredis.Redis.from_url(url, single_connection_client=True, socket_timeout=SOCKET_TIMEOUT_S,
-                                            socket_connect_timeout=2)
+    def __init__(self, settings: Settings, control: aredis.Redis, instance: str, name: str) -> None:
+        self.client = connections.connect_async(settings, single_connection=True, socket_timeout=SOCKET_TIMEOUT_S,
+                                                socket_connect_timeout=2)
         self.control = control
         self.wake_key = keys.stream_wake(instance, name).encode()
         self.wake_id: bytes | str = "0-0"
@@ -139,12 +140,12 @@ class Fanout:
     """Every open stream of this process, read by a hot and a quiet Reader. Runs on the streams'
     event loop only; `finish` is how a stream ends (close frame, out of every read)."""
 
-    def __init__(self, url: str, finish: Callable[[Stream, int, str], None]) -> None:
+    def __init__(self, settings: Settings, finish: Callable[[Stream, int, str], None]) -> None:
         instance = uuid.uuid4().hex
-        self.control = aredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=2,
-                                             max_connections=8)
-        self.hot_reader = Reader(url, self.control, instance, "hot")
-        self.quiet_reader = Reader(url, self.control, instance, "quiet")
+        self.control = connections.connect_async(settings, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=2,
+                                                 max_connections=8)
+        self.hot_reader = Reader(settings, self.control, instance, "hot")
+        self.quiet_reader = Reader(settings, self.control, instance, "quiet")
         self.hot: set[Stream] = set()
         self.quiet: set[Stream] = set()
         self.by_key: dict[bytes, set[Stream]] = {}

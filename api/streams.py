@@ -133,7 +133,7 @@ class StreamServer:
     # --- the event loop's thread -------------------------------------------------------------
 
     def _begin(self, ready: threading.Event) -> None:
-        self.fanout = Fanout(self.settings.redis_url, self.finish)
+        self.fanout = Fanout(self.settings, self.finish)
         self.fanout.start()
         self.fanout.spawn(self._sweep_forever())
         if self.draining:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import redis
+import redis.asyncio as aredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
 if TYPE_CHECKING:
@@ -73,6 +75,19 @@ def connect(settings: Settings, **options: Any) -> redis.Redis:
     credentials = {"username": sentinels.username, "password": sentinels.password, "db": sentinels.db}
     sentinel = Sentinel(list(sentinels.addresses), sentinel_kwargs=_sentinel_kwargs(settings))
     return sentinel.master_for(settings.redis_sentinel_master, redis_class=redis.Redis, **credentials, **options)
+
+
+def connect_async(settings: Settings, *, single_connection: bool = False, **options: Any) -> aredis.Redis:
+    """The asyncio client of the same Redis, for the stream server (api/fanout.py). With
+    `single_connection`, one connection of its own for a plain URL (a reader's XREAD BLOCK); behind
+    Sentinels, a pool that the reader's one command at a time keeps to one connection."""
+    options = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True, **options}
+    sentinels = parse_sentinels(settings.redis_url)
+    if sentinels is None:
+        return aredis.Redis.from_url(settings.redis_url, single_connection_client=single_connection, **options)
+    credentials = {"username": sentinels.username, "password": sentinels.password, "db": sentinels.db}
+    sentinel = AsyncSentinel(list(sentinels.addresses), sentinel_kwargs=_sentinel_kwargs(settings))
+    return sentinel.master_for(settings.redis_sentinel_master, redis_class=aredis.Redis, **credentials, **options)
 
 
 def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:

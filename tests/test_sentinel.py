@@ -18,6 +18,7 @@ from shared import connections
 from shared.celery_app import create_celery
 from shared.settings import Settings, SettingsError
 from tests.conftest import ALL_SCOPES, Agent, reachable_workspaces, start_stack
+from tests.streams import watch
 from tests.waiting import wait_until
 
 
@@ -58,6 +59,15 @@ def start_redis_node(stack: devstack.Stack, root: Path, name: str, password: str
     client = redis.Redis(port=port, password=password, socket_timeout=2)
     wait_until(lambda: _pings(client), 30, f"redis {name}")
     return port
+
+
+def streamed(agent: Agent, text: str) -> bytes:
+    """A shell call's stdout as its WebSocket stream relays it (the stream server's own Redis clients)."""
+    started = agent.shell(f"echo {text}", wait=None)
+    assert started.status_code == 202, started.text
+    received = watch(agent, started.json()["task_id"])
+    assert received.exit["exit_code"] == 0
+    return received.bytes_of("stdout")
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -108,6 +118,7 @@ def test_a_stack_runs_through_a_sentinel_and_rides_a_failover(tmp_path: Path) ->
         sha = agent.write("before.txt", b"written through the Sentinel\n")
         assert agent.call("read_file", {"path": "before.txt"}).json()["result"]["sha"] == sha
         assert agent.shell("echo through the sentinel").json()["result"]["stdout"] == "through the sentinel\n"
+        assert streamed(agent, "through the sentinel") == b"through the sentinel\n"
 
         [master_process] = [p for name, p in redis_stack.children if name == "master"]
         os.killpg(master_process.pid, signal.SIGKILL)
@@ -119,6 +130,7 @@ def test_a_stack_runs_through_a_sentinel_and_rides_a_failover(tmp_path: Path) ->
             response = agent.shell("echo after the failover", wait=30)
             return response.status_code == 200 and response.json()["result"]["stdout"] == "after the failover\n"
         wait_until(serves, 90, "a shell call served by the new master", 0.5)
+        assert streamed(agent, "after the failover") == b"after the failover\n"  # the stream server found it too
         print(f"\n[sentinel] failover: calls served again {time.monotonic() - killed_at:.1f} s after the master's kill")
         assert info.stack.died() is None
     finally:
