@@ -20,8 +20,10 @@ from shared import keys, metrics
 from shared.audit import AUDIT
 from shared.endings import ShellEnd, Termination
 from shared.keys import Status
-from shared.scheduler import DISPATCH
+from shared.scheduler import DISPATCH, UNSENT_AFTER_MS
 from shared.schema import TOOLS
+
+KOMBU_UNACKED = "unacked"  # kombu's Redis transport keeps received, unacked messages here (its default)
 
 LOCK_TTL_MS = 60_000  # a file lock a task holds; a dead worker's lock is taken over or expires
 
@@ -202,6 +204,28 @@ return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'lost', ARGV
 """
 
 
+# KEYS: task, lease, running set, log, done. ARGV: task id, result, now, ttl, exit event, retention,
+# response code, response body, dispatched before (ms), kombu's unacked hash.
+# A queued call given to its Celery queue long ago whose message is in neither that queue nor
+# kombu's unacked set: a crash between the broker's pop and its ack lost it (kombu's Redis transport
+# pops, then records the message as unacked). It will never start, so it ends `lost`; should its
+# message turn up after all, its worker finds it ended and does not run it. (runwarden sends every
+# call at kombu's default priority, so its message is in the queue's own list.)
+_LOSE_UNSENT = _END + """
+local status, since, queue = unpack(redis.call('HMGET', KEYS[1], 'status', 'dispatched_ms', 'queue'))
+if status ~= 'queued' or not since or not queue or tonumber(since) > tonumber(ARGV[9]) then return 0 end
+local function holds(messages)
+  for _, message in ipairs(messages) do
+    if string.find(message, ARGV[1], 1, true) then return true end
+  end
+  return false
+end
+if holds(redis.call('LRANGE', queue, 0, -1)) or holds(redis.call('HVALS', ARGV[10])) then return 0 end
+return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'lost', ARGV[2], ARGV[3], ARGV[4], ARGV[7],
+              ARGV[8], ARGV[5], ARGV[6], '', 'message_lost')
+"""
+
+
 def overlapped(client: redis.Redis, command: tuple[Any, ...], meanwhile: Callable[[], None],
                again: Callable[[], Any]) -> Any:
     """`command`'s reply, its round trip overlapping `meanwhile`: the command is sent, `meanwhile`
@@ -321,6 +345,7 @@ class Records:
         self._cancel = client.register_script(_CANCEL)
         self._signal = client.register_script(_SIGNAL)
         self._reap = client.register_script(_REAP)
+        self._lose_unsent = client.register_script(_LOSE_UNSENT)
 
     def _keys(self, task_id: str) -> list[str]:
         return [keys.task(task_id), keys.lease(task_id), keys.RUNNING_SET, keys.log(task_id), keys.done(task_id)]
@@ -432,6 +457,32 @@ class Records:
         reply = self._reap(
             keys=self._keys(task_id),
             args=[task_id, json.dumps(result), ended_ms, self.ttl_ms, exit_json, self.retention_ms],
+        )
+        return _counted(reply, Status.LOST.value, ended_ms)
+
+    def lose_unsent_calls(self, queues: Sequence[str]) -> int:
+        """End as `lost` the calls given to these queues whose messages a crash lost."""
+        before_ms = now_ms() - UNSENT_AFTER_MS
+        ids = {member.decode() for queue in queues for member in self.client.smembers(keys.inflight(queue))}
+        return sum(self.lose_unsent(task_id, before_ms) for task_id in sorted(ids))
+
+    def lose_unsent(self, task_id: str, dispatched_before_ms: int) -> bool:
+        """A queued call given to its queue before `dispatched_before_ms` whose message a crash lost
+        (see _LOSE_UNSENT) becomes `lost`: it never ran and never will."""
+        view = self.get(task_id)
+        if view is None or view.status is not Status.QUEUED:
+            return False
+        shell = TOOLS[view.tool_name].streams
+        end = ShellEnd(Termination.LOST)
+        result = {"code": "message_lost", "message": "The call's message was lost in a broker restart; it never ran.",
+                  **(end.never_ran_fields() if shell else {})}
+        body = "" if shell else json.dumps({**view.public(), "status": Status.LOST.value, "result": result},
+                                           ensure_ascii=False, separators=(",", ":"))
+        ended_ms = now_ms()
+        reply = self._lose_unsent(
+            keys=self._keys(task_id),
+            args=[task_id, json.dumps(result), ended_ms, self.ttl_ms, end.exit_event(Status.LOST) if shell else "",
+                  self.retention_ms, "" if shell else 200, body, dispatched_before_ms, KOMBU_UNACKED],
         )
         return _counted(reply, Status.LOST.value, ended_ms)
 

@@ -118,8 +118,10 @@ return dispatch(ARGV[1], tonumber(ARGV[5]))
 """
 
 
-# A call given to its Celery queue starts within about one call's time; one still queued a minute
-# later lost its message to a crash (see _HEAL).
+# A call given to its Celery queue starts within about one call's time. One still queued half a
+# minute later whose message is nowhere was lost to a crash and ends `lost` (shared/records.py,
+# _LOSE_UNSENT); one still queued a minute later gives its slot back, message or not (see _HEAL).
+UNSENT_AFTER_MS = 30_000
 STALE_DISPATCH_MS = 60_000
 
 

@@ -73,11 +73,12 @@ def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
             log.error("SANDBOX UNAVAILABLE, shell calls are refused: %s", host.sandbox_error)
         else:
             log.info("sandbox self-test passed (%s)", host.runner.name)
-        threading.Thread(target=_reap_forever, args=(settings, stop), name="runwarden-reaper", daemon=True).start()
         metrics.start_exporter(settings)
         pool = Pool(sender.hostname, [queue.name for queue in sender.task_consumer.queues],
                     sender.controller.concurrency)
         pools.append(pool)
+        threading.Thread(target=_reap_forever, args=(settings, pool, stop), name="runwarden-reaper",
+                         daemon=True).start()
         threading.Thread(target=_heartbeat_forever, args=(settings, pool, stop), name="runwarden-heartbeat",
                          daemon=True).start()
         # Idle expiry, measuring and dead workers' staging directories (workers/workspaces.py).
@@ -192,7 +193,7 @@ def _heartbeat_forever(settings: Settings, pool: Pool, stop: threading.Event) ->
             return
 
 
-def _reap_forever(settings, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
+def _reap_forever(settings: Settings, pool: Pool, stop: threading.Event) -> None:
     client = connections.connect(settings, socket_timeout=10)
     records = Records(client, ttl_s=settings.idempotency_ttl_s, retention_s=settings.stream_retention_s,
                       lease_s=settings.lease_s)
@@ -200,6 +201,8 @@ def _reap_forever(settings, stop: threading.Event) -> None:  # type: ignore[no-u
         try:
             if reaped := reap_lost_calls(records, settings.lease_s):
                 log.warning("marked %d shell call(s) lost: their worker stopped renewing its lease", reaped)
+            if unsent := records.lose_unsent_calls(pool.queues):
+                log.warning("marked %d queued call(s) lost: a broker restart lost their messages", unsent)
         except redis.RedisError as exc:
             log.warning("reaper cannot reach Redis: %s", exc)
             time.sleep(1)
