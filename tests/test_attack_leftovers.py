@@ -8,7 +8,6 @@ with it.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import uuid
@@ -18,6 +17,9 @@ import pytest
 
 from runwarden import devstack
 from tests.conftest import ALL_SCOPES, Agent, reachable_workspaces, start_stack
+from tests.test_faults import (
+    pool_children,  # a worker's keeper is its child too, not a pool process
+)
 from workers import cgroups
 
 
@@ -35,18 +37,6 @@ def groups_of(pid: int) -> list[Path]:
     return [parent / name for parent in group_parents()]
 
 
-def pool_children(main_pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            status = Path(f"/proc/{entry}/status").read_text() if entry.isdigit() else ""
-        except OSError:
-            continue
-        if re.search(rf"^PPid:\s+{main_pid}$", status, re.M):
-            found.append(int(entry))
-    return found
-
-
 def wait(check, what: str, timeout_s: float = 60) -> None:  # type: ignore[no-untyped-def]
     devstack.wait_for(check, timeout_s, what)
 
@@ -56,7 +46,9 @@ def own_stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     if os.geteuid() != 0 or not all(parent.parent.is_dir() for parent in group_parents()):
         pytest.skip("per-call cgroups need a root worker and a writable cgroup hierarchy")
     workspaces = reachable_workspaces()
-    info = start_stack(tmp_path_factory.mktemp("leftovers"), concurrency=1, RUNWARDEN_WORKSPACES=str(workspaces))
+    # Every sandbox cold: a prepared one lives in its keeper's group, and these are the pool processes'.
+    info = start_stack(tmp_path_factory.mktemp("leftovers"), concurrency=1, RUNWARDEN_WORKSPACES=str(workspaces),
+                       RUNWARDEN_PREPARED_SANDBOXES="0")
     if not all(parent.is_dir() for parent in group_parents()):
         info.stack.stop()
         pytest.skip("the worker found no cgroups it may write (see its log)")
