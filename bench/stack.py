@@ -90,6 +90,8 @@ def start(logs: Path, **extra_env: str) -> BenchStack:
             "RUNWARDEN_JWT_SECRET": secret,
             "RUNWARDEN_WORKSPACES": str(root / "workspaces"),
             "RUNWARDEN_KILL_GRACE_MS": "500",  # only cancels use it: the idle streams are cancelled at the end
+            # `BENCH_PREPARED=0` measures every shell call with a cold sandbox (the product's default: 4).
+            "RUNWARDEN_PREPARED_SANDBOXES": os.environ.get("BENCH_PREPARED", "4"),
             "RUNWARDEN_RATE_LIMIT": "1000000",  # the per-tenant limit is still checked on every call, never hit
             "BENCH_FLOOR_ROOT": str(root / "floor"),
             "PYTHONUNBUFFERED": "1",
