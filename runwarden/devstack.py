@@ -77,8 +77,14 @@ class Stack:
         return process
 
     def stop(self, timeout_s: float = 15) -> None:
-        """Stop in reverse start order (API, workers, then Redis): SIGTERM, then SIGKILL after a wait."""
-        for _, process in reversed(self.children):
+        """Stop the API and workers together, then Redis, which they need until they have stopped:
+        SIGTERM, then SIGKILL after a wait."""
+        services = [process for name, process in self.children if name != "redis"]
+        for process in services:
+            _signal_group(process, signal.SIGTERM)
+        for process in services:
+            _wait_or_kill(process, timeout_s)
+        for process in (process for name, process in self.children if name == "redis"):
             stop_process(process, timeout_s)
         self.children.clear()
         for path in self.scratch:
@@ -95,6 +101,10 @@ class Stack:
 def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
     """SIGTERM to the child's process group, then SIGKILL after `timeout_s`."""
     _signal_group(process, signal.SIGTERM)
+    _wait_or_kill(process, timeout_s)
+
+
+def _wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float) -> None:
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:

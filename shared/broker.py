@@ -1,39 +1,88 @@
-"""Celery's broker transport: kombu's Redis (or Sentinel) transport, with one repair.
+"""Celery's broker transport: kombu's Redis (or Sentinel) transport, with two repairs for a Redis
+that dies under load.
 
-When Redis dies under load, Celery's consumer closes its broker connection, and closing a channel
-gives back the messages it had received but not acked (`restore_unacked`) through a client built
-from a connection kombu has already let go of. That raised `AttributeError: 'NoneType' object has
-no attribute 'hostname'` (kombu's `_connparams`), which Celery takes as unrecoverable: the worker
-stopped, and nothing consumed until it was started again (celery/kombu#582, celery/celery#10205).
-Here that case is what it is, a connection error, which the close ignores as it ignores any other;
-the messages stay in kombu's unacked set and come back after the visibility timeout, as they do
-when a worker is killed.
+When Redis goes away, Celery's consumer closes its broker connection, and closing its channel gives
+back the messages it had received but not acked (`restore_unacked`): the calls its worker had
+reserved, and the file calls it was running (acked late).
+
+- That close built a client from a connection kombu had already let go of and raised
+  `AttributeError: 'NoneType' object has no attribute 'hostname'` (kombu's `_connparams`), which
+  Celery takes as unrecoverable: the worker stopped and nothing consumed until it was started
+  again (celery/kombu#582, celery/celery#10205). Here it is what it is, a connection error, which
+  the close ignores as it ignores any other.
+- Redis being down, the messages could not be given back then, and stayed in kombu's unacked set
+  until the visibility timeout (an hour by default) returned them: their calls' keys answered 409
+  meanwhile. Here they are remembered, and given back by the worker's next channel, once it has
+  connected again. Running a call's message twice is safe by design (a call starts once; a file
+  call's intent makes its write happen once): this only makes it come back sooner.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from shared.connections import parse_sentinels
 
+log = logging.getLogger("runwarden.broker")
 
-class _ClosedIsAConnectionError:
+# Delivery tags of messages this process received and could not give back while Redis was down.
+_to_give_back: set[str] = set()
+
+
+class QoS(kombu_redis.QoS):
+    def restore_unacked(self, client: Any = None) -> None:
+        try:
+            super().restore_unacked(client)
+        except RedisError:
+            _to_give_back.update(self._delivered)  # still in Redis's unacked set: restored later
+            self._delivered.clear()
+            raise
+
+
+class _Repaired:
     connection: Any
+    qos: Any
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         if self.connection.client is None:
             raise RedisConnectionError("the broker connection is closed")
         return super()._connparams(asynchronous)  # type: ignore[misc, no-any-return]
 
+    def give_back_unacked(self) -> int:
+        """Give back what an earlier channel of this process could not (see the module's doc)."""
+        given = 0
+        for tag in sorted(_to_give_back):
+            try:
+                self.qos.restore_by_tag(tag)  # at the head of its queue, as kombu gives back its own
+            except RedisError:
+                break  # Redis is away again: the next channel tries
+            _to_give_back.discard(tag)
+            given += 1
+        if given:
+            log.warning("gave back %d message(s) held when the broker connection was lost", given)
+        return given
 
-class Channel(_ClosedIsAConnectionError, kombu_redis.Channel):
-    pass
+
+class Channel(_Repaired, kombu_redis.Channel):
+    QoS = QoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _to_give_back:
+            self.give_back_unacked()
 
 
-class SentinelChannel(_ClosedIsAConnectionError, kombu_redis.SentinelChannel):
-    pass
+class SentinelChannel(_Repaired, kombu_redis.SentinelChannel):
+    QoS = QoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _to_give_back:
+            self.give_back_unacked()
 
 
 class Transport(kombu_redis.Transport):

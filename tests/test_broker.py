@@ -1,9 +1,11 @@
-"""The broker transport's repair (shared/broker.py), on a real Redis: a channel closed after kombu
+"""The broker transport's repairs (shared/broker.py), on a real Redis: a channel closed after kombu
 let go of its connection, holding a message it received and did not ack, is a connection error the
-close ignores (kombu's own transport raised AttributeError there, which stopped the worker), and
-the message is kept for the visibility timeout to give back."""
+close ignores (kombu's own transport raised AttributeError there, which stopped the worker), and the
+process's next channel gives the message back to its queue (kombu's would have left it to the
+visibility timeout)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,13 +42,21 @@ def received_unacked(redis_url: str, transport: object) -> tuple[kombu.Connectio
     return connection, channel
 
 
-def test_closing_a_let_go_channel_is_a_connection_error_and_keeps_the_message(redis_url: str) -> None:
+def test_closing_a_let_go_channel_is_a_connection_error_and_the_next_channel_gives_the_message_back(
+        redis_url: str) -> None:
     connection, channel = received_unacked(redis_url, broker.transport_for(redis_url))
     with pytest.raises(redis.exceptions.ConnectionError):
         channel.close()
     connection.maybe_close_channel(channel)  # how kombu closes it: ignored, as any connection error
     client = redis.Redis.from_url(redis_url)
-    assert client.hlen("unacked") == 1  # kept: the visibility timeout gives it back
+    assert client.hlen("unacked") == 1 and client.llen(QUEUE) == 0  # not given back yet: Redis was "down"
+
+    again = kombu.Connection(redis_url, transport=broker.transport_for(redis_url))
+    again.default_channel  # the worker's next channel, once it has connected again
+    assert client.hlen("unacked") == 0 and client.llen(QUEUE) == 1  # back in its queue, not after the timeout
+    [message] = client.lrange(QUEUE, 0, -1)
+    assert json.loads(message)["body"]  # the message itself, as it was published
+    again.release()
     client.delete("unacked", "unacked_index", QUEUE)
 
 
