@@ -24,7 +24,8 @@ from shared.endings import UNMEASURED, Usage
 from shared.errors import PathForbidden
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from shared.settings import Settings
-from workers.usage import NO_METER, Meter
+from workers.cgroups import Cgroups
+from workers.usage import NO_METER, Meter, start
 
 SANDBOX_HOME = "/workspace"
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -141,6 +142,26 @@ class Runner(Protocol):
     def forget(self, workspace: Path) -> None:
         """A workspace was deleted or replaced: nothing prepared for it may serve a call."""
 
+
+
+class ColdRunner:
+    """What a runner that starts each command when its call comes (bwrap, unsafe) does between
+    calls: the pool process's per-call cgroup, metered and renewed; nothing prepared, nothing kept."""
+
+    cgroups: Cgroups | None
+
+    def meter(self) -> Meter:
+        return start(self.cgroups.for_this_process()) if self.cgroups else NO_METER
+
+    def after_call(self) -> None:
+        if self.cgroups:
+            self.cgroups.renew_if_charged()
+
+    def prepare(self, ahead: Ahead) -> None:
+        """Nothing ahead of time: this runner starts each sandbox when its call comes."""
+
+    def forget(self, workspace: Path) -> None:
+        """Nothing kept between calls."""
 
 def check_cwd(view: ShellView, cwd: str) -> None:
     """The API checks cwd against allowed_paths; checked again here, where the view is built."""

@@ -35,14 +35,14 @@ from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers import workspace as workspace_files
 from workers.cgroups import CallGroup, Cgroups
-from workers.sandbox.base import (Ahead, COMMAND_READER, kill_tree, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
+from workers.sandbox.base import (COMMAND_READER, ColdRunner, kill_tree, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
                                   check_cwd, environment, let_commands_start_with_default_signals, write_frame)
 
 _SYSTEM_DIRS = ("/usr", "/opt/conda")  # read-only; /bin, /lib… are symlinks into /usr on merged-usr systems
 _LIVE_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts")  # bound live, over placeholders, for shell:network
 
 
-class BwrapRunner:
+class BwrapRunner(ColdRunner):
     name = "bwrap"
 
     def __init__(self, bwrap: str, limits: Limits, host_uid: int | None, etc_dir: Path,
@@ -63,19 +63,6 @@ class BwrapRunner:
         self._system = self._system_options()
         self._limits = backstop_ulimits(limits, cgroups is not None)
         self._setpriv_ids = _names_for(host_uid) if host_uid is not None else ("", "")
-
-    def meter(self) -> usage.Meter:
-        return usage.start(self.cgroups.for_this_process()) if self.cgroups else usage.NO_METER
-
-    def after_call(self) -> None:
-        if self.cgroups:
-            self.cgroups.renew_if_charged()
-
-    def prepare(self, ahead: Ahead) -> None:
-        """Nothing ahead of time: this runner starts each sandbox when its call comes."""
-
-    def forget(self, workspace: Path) -> None:
-        """Nothing kept between calls."""
 
     def _system_options(self) -> list[str]:
         """The options every sandbox shares: namespaces, the system read-only, /etc as one directory."""

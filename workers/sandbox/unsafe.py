@@ -6,13 +6,12 @@ import subprocess
 from pathlib import Path
 
 from shared.paths import WHOLE_WORKSPACE, ShellView
-from workers import usage
 from workers.cgroups import Cgroups
-from workers.sandbox.base import (Ahead, Limits, PopenProcess, backstop_prelude, check_cwd, environment,
+from workers.sandbox.base import (ColdRunner, Limits, PopenProcess, backstop_prelude, check_cwd, environment,
                                   let_commands_start_with_default_signals)
 
 
-class UnsafeRunner:
+class UnsafeRunner(ColdRunner):
     """No sandbox at all: only for development where bubblewrap cannot run, and chosen explicitly."""
 
     name = "none"
@@ -21,19 +20,6 @@ class UnsafeRunner:
         self.limits = limits
         self.cgroups = cgroups
         self._prelude = backstop_prelude(limits, cgroups is not None)
-
-    def meter(self) -> usage.Meter:
-        return usage.start(self.cgroups.for_this_process()) if self.cgroups else usage.NO_METER
-
-    def after_call(self) -> None:
-        if self.cgroups:
-            self.cgroups.renew_if_charged()
-
-    def prepare(self, ahead: Ahead) -> None:
-        """Nothing ahead of time: this runner starts each sandbox when its call comes."""
-
-    def forget(self, workspace: Path) -> None:
-        """Nothing kept between calls."""
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
               view: ShellView = WHOLE_WORKSPACE) -> PopenProcess:
