@@ -44,8 +44,16 @@ class QoS(kombu_redis.QoS):
 
 
 class _Repaired:
+    """The repairs, for kombu's Redis channel and its Sentinel one alike (first in their bases)."""
+
+    QoS = QoS
     connection: Any
     qos: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _to_give_back:
+            self.give_back_unacked()
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         if self.connection.client is None:
@@ -68,21 +76,11 @@ class _Repaired:
 
 
 class Channel(_Repaired, kombu_redis.Channel):
-    QoS = QoS
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if _to_give_back:
-            self.give_back_unacked()
+    pass
 
 
 class SentinelChannel(_Repaired, kombu_redis.SentinelChannel):
-    QoS = QoS
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if _to_give_back:
-            self.give_back_unacked()
+    pass
 
 
 class Transport(kombu_redis.Transport):
