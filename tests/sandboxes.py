@@ -10,6 +10,7 @@ is prepared and, per workspace, how many claims it served (hits) and how many fo
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,17 @@ class SandboxPath:
         self.probes[workspace] = self.probes.get(workspace, 0) + 1
         return shell(command, **kwargs)
 
+
+def host_processes_with(text: str) -> list[int]:
+    """Host pids whose command line contains `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 def workspace_path(stack: Any, tenant: str, run_id: str) -> Path:
     return stack.workspaces / tenant / run_id

@@ -10,7 +10,6 @@ Through the API on the session stack where a test needs calls; against a keeper 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -31,19 +30,11 @@ from shared.paths import WHOLE_WORKSPACE
 from shared.settings import Settings
 from tests.archives import Operator, file, tar
 from tests.conftest import StackInfo, start_stack
-from tests.sandboxes import ask, counts, key_of, prepared_for, wait_ready
+from tests.sandboxes import ask, counts, host_processes_with, key_of, prepared_for, wait_ready
 from tests.streams import collect, connect
-from tests.waiting import wait_until
+from tests.waiting import run, wait_until
 from workers.sandbox.base import Ahead, Key
 from workers.sandbox.prepared import KeeperClient
-
-
-def run(agent, command: str, **parameters) -> dict:  # type: ignore[no-untyped-def]
-    response = agent.shell(command, wait=30, **parameters)
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["status"] == "completed", body
-    return body["result"]
 
 
 def prepared(agent) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -62,17 +53,6 @@ def gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def host_pids_with(text: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 # --- single use --------------------------------------------------------------------------------------
 
 def test_a_prepared_sandbox_serves_one_call_and_leaves_nothing_to_the_next(make_agent) -> None:
@@ -88,7 +68,7 @@ def test_a_prepared_sandbox_serves_one_call_and_leaves_nothing_to_the_next(make_
     assert left["stdout"].split()[0] == "1", left  # its leftover ran, inside its own sandbox
     next_child = wait_ready(agent.stack, key_of(agent))["child"]
     assert next_child != first_child  # the one handed over is not handed again
-    wait_until(lambda: not host_pids_with(marker), 30, "the first call's leftover process to end")
+    wait_until(lambda: not host_processes_with(marker), 30, "the first call's leftover process to end")
     probe = run(agent, "ls -A /tmp; echo ---; env | grep -c LEAK; ps -eo args | grep -c '^sleep'; "
                        "ls /proc/self/fd | tr '\\n' ' '; echo; cut -d' ' -f22 /proc/1/stat")
     tmp, rest = probe["stdout"].split("---\n")
@@ -212,14 +192,14 @@ def test_a_pool_process_killed_mid_call_takes_its_prepared_sandbox_with_it(lone:
     ws = connect(agent, accepted.json()["task_id"])
     try:
         assert collect(ws, limit=1).events[0]["data"] == "started\n"
-        sleepers = wait_until(lambda: host_pids_with(marker), 30, "the sandboxed sleep")
+        sleepers = wait_until(lambda: host_processes_with(marker), 30, "the sandboxed sleep")
         assert counts(lone, str(agent.workspace))[0] == hits + 1  # it runs in the prepared sandbox
         worker = next(popen for name, popen in lone.stack.children if name.startswith("w"))
         children = [int(p) for p in Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()]
         pool = [pid for pid in children if "celery" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
         assert len(pool) == 1, pool
         os.kill(pool[0], signal.SIGKILL)
-        wait_until(lambda: not host_pids_with(marker), 30, "the sandboxed sleep to end with its pool process")
+        wait_until(lambda: not host_processes_with(marker), 30, "the sandboxed sleep to end with its pool process")
         assert all(gone(pid) for pid in sleepers)
     finally:
         ws.close()

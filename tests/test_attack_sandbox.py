@@ -19,6 +19,7 @@ import pytest
 
 from shared.settings import Settings
 from workers.cgroups import Cgroups
+from tests.sandboxes import host_processes_with
 from tests.streams import Received, connect
 from tests.waiting import cancel, ended, run, wait_until
 
@@ -44,18 +45,6 @@ def host_processes_of(stack, name: str) -> list[int]:  # type: ignore[no-untyped
         if match and int(match.group(1)) in parents:
             found.append(int(pid))
     return sorted(found)
-
-
-def host_processes_with(text: str) -> list[int]:
-    """Host pids whose command line contains `text`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def test_no_home_root_or_shadow(agent) -> None:
