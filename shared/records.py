@@ -428,18 +428,11 @@ class Records:
     def cancel(self, view: TaskView) -> str:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
         replays the cancelled record), or flag a running one; returns the status found."""
-        shell = TOOLS[view.tool_name].streams
-        end = ShellEnd(Termination.CANCELLED)
-        result = {"code": "cancelled", "message": "Cancelled before it started.",
-                  **(end.never_ran_fields() if shell else {})}
-        exit_json = end.exit_event(Status.CANCELLED) if shell else ""
-        body = "" if shell else json.dumps({**view.public(), "status": Status.CANCELLED.value, "result": result},
-                                           ensure_ascii=False, separators=(",", ":"))
         ended_ms = now_ms()
         found = self._cancel(
             keys=self._keys(view.task_id),
-            args=[view.task_id, json.dumps(result), ended_ms, self.ttl_ms, exit_json, self.retention_ms,
-                  "" if shell else 200, body],
+            args=self._never_ran(view, Status.CANCELLED, Termination.CANCELLED, ended_ms,
+                                 "cancelled", "Cancelled before it started."),
         )
         if isinstance(found, list):  # this cancel ended the queued call
             _counted(found[1:], Status.CANCELLED.value, ended_ms)
@@ -472,19 +465,24 @@ class Records:
         view = self.get(task_id)
         if view is None or view.status is not Status.QUEUED:
             return False
-        shell = TOOLS[view.tool_name].streams
-        end = ShellEnd(Termination.LOST)
-        result = {"code": "message_lost", "message": "The call's message was lost in a broker restart; it never ran.",
-                  **(end.never_ran_fields() if shell else {})}
-        body = "" if shell else json.dumps({**view.public(), "status": Status.LOST.value, "result": result},
-                                           ensure_ascii=False, separators=(",", ":"))
         ended_ms = now_ms()
-        reply = self._lose_unsent(
-            keys=self._keys(task_id),
-            args=[task_id, json.dumps(result), ended_ms, self.ttl_ms, end.exit_event(Status.LOST) if shell else "",
-                  self.retention_ms, "" if shell else 200, body, dispatched_before_ms, KOMBU_UNACKED],
-        )
+        ending = self._never_ran(view, Status.LOST, Termination.LOST, ended_ms, "message_lost",
+                                 "The call's message was lost in a broker restart; it never ran.")
+        reply = self._lose_unsent(keys=self._keys(task_id), args=[*ending, dispatched_before_ms, KOMBU_UNACKED])
         return _counted(reply, Status.LOST.value, ended_ms)
+
+    def _never_ran(self, view: TaskView, status: Status, termination: Termination, ended_ms: int, code: str,
+                   message: str) -> list[Any]:
+        """ARGV 1–8 of a script that ends a queued call: task id, result, now, ttl, the exit event a
+        shell call's stream gets, retention, and the response a file call's retry replays."""
+        shell = TOOLS[view.tool_name].streams
+        end = ShellEnd(termination)
+        result = {"code": code, "message": message, **(end.never_ran_fields() if shell else {})}
+        exit_json = end.exit_event(status) if shell else ""
+        body = "" if shell else json.dumps({**view.public(), "status": status.value, "result": result},
+                                           ensure_ascii=False, separators=(",", ":"))
+        return [view.task_id, json.dumps(result), ended_ms, self.ttl_ms, exit_json, self.retention_ms,
+                "" if shell else 200, body]
 
     def response(self, task_id: str) -> tuple[int, bytes] | None:
         """The HTTP response a worker recorded for the call (file tools), if it has ended."""
