@@ -41,7 +41,10 @@ def create_celery(settings: Settings) -> Celery:
         broker_transport_options=transport,
         result_backend_transport_options=transport,
         result_expires=3600,  # runwarden keeps its own record of every outcome for 24 h
-        worker_send_task_events=True,  # Flower and `celery events` can watch the fleet
+        # Off unless asked for: Flower turns them on by itself (its `enable_events`, every 5 s), and
+        # while no monitor listens each call's three events cost the worker's main process ~1 ms
+        # of CPU (docs/PERFORMANCE.md). Worker heartbeats are sent either way.
+        worker_send_task_events=settings.task_events,
         # No task-sent event from the API: it doubled what a send publishes (0.46 → 0.27 ms of CPU
         # and 0.61 → 0.33 ms a send, measured with redis-py 8.1 and kombu 5.7). Flower sees a call
         # from its task-received on; a queued call is in runwarden's own record and queue metrics.

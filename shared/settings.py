@@ -92,6 +92,9 @@ class Settings:
     worker_metrics_host: str = "0.0.0.0"
     audit_maxlen: int = 100_000  # audit records kept per tenant (about: XADD MAXLEN ~)
     log_format: str = "text"  # or "json": one object a line
+    # Celery task events from the start (`-E`); off, a worker sends them once a monitor asks
+    # (Flower does, every few seconds; `celery control enable_events` does): ~1 ms of CPU a call.
+    task_events: bool = False
     test_hold_dir: Path | None = None  # tests only: workers/holds.py; unset in production
     # Prepared sandboxes (workers/sandbox/keeper.py): at most this many per worker, 0 for none;
     # each killed when unclaimed for `prepared_idle_s` seconds.
@@ -162,6 +165,7 @@ class Settings:
             worker_metrics_host=env.get("RUNWARDEN_WORKER_METRICS_HOST", "") or "0.0.0.0",
             audit_maxlen=_int(env, "RUNWARDEN_AUDIT_MAXLEN", 100_000, 1),
             log_format=log_format,
+            task_events=_choice(env, "RUNWARDEN_TASK_EVENTS", ("off", "on")) == "on",
             # 5,000 open streams cost one API process ~85 MiB and no thread (docs/PERFORMANCE.md).
             max_streams=_int(env, "RUNWARDEN_MAX_STREAMS", 5000, 1),
             stream_send_timeout_s=_int(env, "RUNWARDEN_STREAM_SEND_TIMEOUT", 60, 1),

@@ -16,6 +16,8 @@ import pytest
 import redis
 import requests
 
+from shared.celery_app import create_celery
+from shared.settings import Settings
 from tests.contract import TOOL_PARAMETERS, assert_tool_parameters
 from tests.waiting import wait_until
 from workers.patching import git_blob_sha
@@ -407,19 +409,23 @@ def _task_events(pubsub: redis.client.PubSub, task_id: str, types: set[str], tim
 
 def test_task_events_show_who_and_what_never_the_diff_or_command(agent, tmp_path: Path) -> None:
     """Flower shows the args that task events carry: for runwarden a summary of the call, never a
-    diff's or a command's text."""
+    diff's or a command's text. Workers send task events once a monitor asks, as Flower does."""
     in_diff, in_command = (f"secret-{uuid.uuid4().hex}" for _ in range(2))
     agent.write("s.txt", b"old\n")
     diff = f"--- a/s.txt\n+++ b/s.txt\n@@ -1 +1 @@\n-old\n+{in_diff}\n"
+    celery = create_celery(Settings.from_env(agent.stack.env, require_jwt=False))
     pubsub = agent.stack.redis.pubsub()
     pubsub.psubscribe("*celeryev*")
     try:
+        answers = celery.control.enable_events(reply=True, timeout=10)
+        assert answers and all("task events enabled" in str(a) for a in answers), answers
         patch = agent.call("apply_file_patch", {"path": "s.txt", "diff": diff, "base_sha": git_blob_sha(b"old\n")})
         assert patch.status_code == 200, patch.text
         events = _task_events(pubsub, patch.json()["task_id"], {"task-received", "task-succeeded"})
         shell = agent.shell(f"echo {in_command}", wait=30).json()
         events_shell = _task_events(pubsub, shell["task_id"], {"task-received", "task-succeeded"})
     finally:
+        celery.control.disable_events(reply=True, timeout=10)
         pubsub.close()
     # The API sends no task-sent event (it was a second publish per call): Flower sees a call from
     # the worker's task-received on, whose args are the summary.

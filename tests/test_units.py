@@ -35,10 +35,18 @@ def test_short_jwt_secret_stops_start_up() -> None:
 
 
 @pytest.mark.parametrize("name,value", [("RUNWARDEN_SANDBOX", "docker"), ("RUNWARDEN_LEASE", "soon"),
-                                        ("RUNWARDEN_STREAM_RETENTION", "60"), ("RUNWARDEN_REDIS_URL", "")])
+                                        ("RUNWARDEN_STREAM_RETENTION", "60"), ("RUNWARDEN_REDIS_URL", ""),
+                                        ("RUNWARDEN_TASK_EVENTS", "yes")])
 def test_bad_settings_are_refused(name: str, value: str) -> None:
     with pytest.raises(SettingsError):
         Settings.from_env({**BASE_ENV, name: value})
+
+
+def test_task_events_are_sent_once_a_monitor_asks_unless_set_on() -> None:
+    from shared.celery_app import create_celery
+    assert create_celery(Settings.from_env(BASE_ENV)).conf.worker_send_task_events is False
+    on = Settings.from_env({**BASE_ENV, "RUNWARDEN_TASK_EVENTS": "on"})
+    assert create_celery(on).conf.worker_send_task_events is True
 
 
 def test_public_key_pins_its_algorithm(tmp_path) -> None:
