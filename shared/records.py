@@ -127,16 +127,19 @@ return mine
 
 # Shared tail of every terminal transition. Expects `status` (new), `result`, `code`, `body`, `exit`,
 # and for the audit record the exit code and error code ('' for none). Returns what the metrics of a
-# call's end need: {tool name, created ms}.
+# call's end need and what its worker does next: {tool name, created ms, the run's other calls}.
 _END = DISPATCH + AUDIT + """
 local function finish(task_key, lease_key, running_key, log_key, done_key, task_id, new_status, result,
                       now_ms, ttl_ms, code, body, exit_event, retention_ms, exit_code, error_code)
   local idem = redis.call('HGET', task_key, 'idem')
   redis.call('HSET', task_key, 'status', new_status, 'result', result, 'finished_ms', now_ms)
   audit(task_key, task_id, new_status, now_ms, exit_code, error_code)
-  for _, set in ipairs(redis.call('HMGET', task_key, 'active', 'run_active')) do
+  local sets = redis.call('HMGET', task_key, 'active', 'run_active')
+  for _, set in ipairs(sets) do
     if set then redis.call('SREM', set, task_id) end  -- the tenant's and run's slots come back
   end
+  local run_busy = 0  -- the run's other calls, queued or running
+  if sets[2] then run_busy = redis.call('SCARD', sets[2]) end
   ended(task_key, task_id, tonumber(now_ms))  -- and its queue's: the next call in turn starts
   if code ~= '' then redis.call('HSET', task_key, 'code', code, 'body', body) end
   redis.call('PEXPIRE', task_key, ttl_ms)
@@ -162,7 +165,9 @@ local function finish(task_key, lease_key, running_key, log_key, done_key, task_
     redis.call('XADD', log_key, seq .. '-1', 'e', event)
     redis.call('PEXPIRE', log_key, retention_ms)
   end
-  return redis.call('HMGET', task_key, 'tool_name', 'created_ms')
+  local reply = redis.call('HMGET', task_key, 'tool_name', 'created_ms')
+  reply[3] = run_busy
+  return reply
 end
 local function terminal(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled' or status == 'lost'
@@ -260,7 +265,7 @@ _NO_REPLY = object()
 
 
 def _counted(reply: Any, outcome: str, ended_ms: int) -> bool:
-    """Whether a script ended the call (its reply is then [tool name, created ms]); if it did, the
+    """Whether a script ended the call (its reply is then [tool name, created ms, …]); if it did, the
     end is counted in this process's metrics, once."""
     if not isinstance(reply, list):
         return False
@@ -410,10 +415,11 @@ class Records:
         response: tuple[int, bytes] | None = None,
         exit_json: str = "",
         release: str | Sequence[str] | None = None,
-    ) -> bool:
+    ) -> int | None:
         """Record the terminal status (first one wins), complete the idempotency record, append the
         audit record, and free the locks `release` names that this task holds (a patch's file, a patch
-        set's files)."""
+        set's files). None if the call had ended already; else how many other calls of its run are
+        queued or running (a worker prepares a run's next sandbox only when none are)."""
         code, body = response if response else ("", b"")
         exit_code = result.get("exit_code") if isinstance(result, dict) else None
         error_code = result.get("code") if isinstance(result, dict) and status is not Status.COMPLETED else None
@@ -423,7 +429,9 @@ class Records:
             args=[task_id, status.value, json.dumps(result), ended_ms, self.ttl_ms, code, body, exit_json,
                   self.retention_ms, "" if exit_code is None else int(exit_code), error_code or ""],
         )
-        return _counted(reply, status.value, ended_ms)
+        if not _counted(reply, status.value, ended_ms):
+            return None
+        return int(reply[2])
 
     def cancel(self, view: TaskView) -> str:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry

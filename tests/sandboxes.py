@@ -1,6 +1,6 @@
 """Run a test's shell calls on one sandbox path, and know that they did: `cold` (the worker's
 keeper paused, so every sandbox is spawned by the pool process for its call) or `prepared` (each
-call takes the sandbox the keeper started for its run while nothing ran: a call is made first if
+call takes the sandbox the keeper started for its run while nothing ran: calls are made first if
 the run has none, and the test waits until the keeper reports it ready, a state, not a time).
 
 The keeper is asked through its own socket (root may), as an operator would: `status` tells what
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import requests
 
@@ -61,6 +61,18 @@ def wait_ready(stack: Any, key: Key) -> dict[str, Any]:
                       READY_TIMEOUT_S, "the keeper to have the run's next sandbox ready")
 
 
+def ready_after_calls(agent: Any, call_true: Callable[[], object], key: Key | None = None) -> dict[str, Any]:
+    """The run's next sandbox, ready. The keeper is asked for one when a call ends on a run whose
+    workspace was there before it (and no other of its calls is queued or running): a run without
+    a workspace makes a first call, which makes it, then the one after which it is prepared."""
+    key = key or key_of(agent)
+    if prepared_for(agent.stack, key) is None:
+        if not agent.workspace.is_dir():
+            call_true()
+        call_true()
+    return wait_ready(agent.stack, key)
+
+
 class SandboxPath:
     """One path for the shell calls of the agents it wraps; `finish` checks they took it."""
 
@@ -93,11 +105,10 @@ class SandboxPath:
     def _shell(self, agent: Any, shell: Any, command: str, **kwargs: Any) -> requests.Response:
         workspace = str(agent.workspace)
         if self.mode == "prepared":
-            key = key_of(agent)
-            if workspace not in self.probes and prepared_for(self.stack, key) is None:
-                first = shell("true", wait=60)  # the run's first call: the keeper prepares its next
-                assert first.status_code == 200, first.text
-            wait_ready(self.stack, key)
+            def call_true() -> None:
+                response = shell("true", wait=60)
+                assert response.status_code == 200, response.text
+            ready_after_calls(agent, call_true)
         if workspace not in self.probes:
             self.before[workspace] = counts(self.stack, workspace)
         self.probes[workspace] = self.probes.get(workspace, 0) + 1

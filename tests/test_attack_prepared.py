@@ -30,7 +30,7 @@ from shared.paths import WHOLE_WORKSPACE
 from shared.settings import Settings
 from tests.archives import Operator, file, tar
 from tests.conftest import StackInfo, start_stack
-from tests.sandboxes import ask, counts, host_processes_with, key_of, prepared_for, wait_ready
+from tests.sandboxes import ask, counts, host_processes_with, key_of, prepared_for, ready_after_calls, wait_ready
 from tests.streams import collect, connect
 from tests.waiting import run, wait_until
 from workers.sandbox.base import Ahead, Key
@@ -38,11 +38,8 @@ from workers.sandbox.prepared import KeeperClient
 
 
 def prepared(agent) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """The run's next sandbox, ready (a first call made, if the run has none prepared)."""
-    key = key_of(agent)
-    if prepared_for(agent.stack, key) is None:
-        run(agent, "true")
-    return wait_ready(agent.stack, key)
+    """The run's next sandbox, ready (calls made first, if the run has none prepared)."""
+    return ready_after_calls(agent, lambda: run(agent, "true"))
 
 
 def gone(pid: int) -> bool:
@@ -203,6 +200,40 @@ def test_a_pool_process_killed_mid_call_takes_its_prepared_sandbox_with_it(lone:
         assert all(gone(pid) for pid in sleepers)
     finally:
         ws.close()
+
+
+def test_nothing_is_prepared_after_a_runs_first_call_nor_while_another_of_its_calls_waits(lone: StackInfo) -> None:
+    """Preparing costs a sandbox's start on the worker's CPU: it is asked for only when a call ends
+    on a run that was there before it (many runs make one call) and has no other call queued or
+    running (that one would start before a sandbox is ready). One pool process runs the calls in
+    turn, and its requests reach the keeper in order, so what a call asked is known by the next."""
+    from tests.conftest import Agent, ALL_SCOPES
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    new, seen = (Agent(lone, tenant, f"r{uuid.uuid4().hex[:8]}", ALL_SCOPES, ["**"]) for _ in range(2))
+    run(seen, "true")  # makes its workspace
+    run(new, "true")  # the first call of a run: its workspace is made by it
+    run(seen, "true")  # a run seen before: its next sandbox is asked for after this call
+    wait_ready(lone, key_of(seen))
+    assert prepared_for(lone, key_of(new)) is None
+    assert ready_after_calls(new, lambda: run(new, "true"))["ready"]  # its second call prepares
+
+    busy = seen
+    run(busy, "true")  # takes what was prepared; asks for the next
+    wait_ready(lone, key_of(busy))
+    go = busy.workspace / "go"
+    hits, misses = counts(lone, str(busy.workspace))
+    first = busy.shell("while [ ! -e go ]; do sleep 0.01; done; echo first", wait=None)
+    assert first.status_code == 202, first.text
+    first_id = first.json()["task_id"]
+    wait_until(lambda: busy.get(first_id).json()["status"] == "running", 30, "the first call to run")
+    second = busy.shell("echo second", wait=None)  # queued behind it: one pool process
+    assert second.status_code == 202, second.text
+    go.write_text("")
+    for task_id in (first_id, second.json()["task_id"]):
+        wait_until(lambda: busy.get(task_id).json()["status"] == "completed", 60, "the calls to end")
+    # The first took the prepared sandbox; when it ended the second was queued, so nothing was
+    # prepared for it, and it started cold.
+    assert counts(lone, str(busy.workspace)) == (hits + 1, misses + 1)
 
 
 # --- the keeper: reachable by no sandbox, and only by its worker -----------------------------------------

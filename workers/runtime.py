@@ -96,6 +96,10 @@ class Runtime:
     def workspace(self, tenant: str, run_id: str) -> Path:
         return workspace.workspace_dir(self.settings.workspaces, tenant, run_id, self.sandbox_owner)
 
+    def has_workspace(self, tenant: str, run_id: str) -> bool:
+        """Whether the run's workspace is here already (`workspace` makes it)."""
+        return workspace.run_path(self.settings.workspaces, tenant, run_id).is_dir()
+
 
 _current: Runtime | None = None
 

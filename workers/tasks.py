@@ -188,9 +188,10 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
             log.info("shell call %s not started: it is %s", task_id, started.status)
             return None
         metrics.call_started(call["tool_name"], started.queue_wait_s)
+        run_seen = ctx.has_workspace(call["tenant"], call["run_id"])  # before this call makes it
         status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
-        ctx.records.finish(task_id, status, result, exit_json=exit_json)
-        if status is not Status.FAILED:
+        run_busy = ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        if status is not Status.FAILED and run_seen and run_busy == 0:
             _prepare_next(ctx, call)
         metrics.output_relayed(result)
         count_output(ctx.redis, call["tenant"], result)
@@ -205,7 +206,10 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
 def _prepare_next(ctx: Runtime, call: dict[str, Any]) -> None:
     """Once a call has answered, its run's next call is likely to come soon (an agent makes its
     calls in a row): the runner may start its sandbox now (workers/sandbox/keeper.py), for as long
-    as the call's token is good. A message without the token's exp (an older API) gets none."""
+    as the call's token is good. Asked only for a run that had come before this call (many runs
+    make one call; its workspace was there) and has no other call queued or running (that one
+    comes at once, before a sandbox could be ready, and a busy pool has no CPU to spare for
+    sandboxes that may never be used). A message without the token's exp (an older API) gets none."""
     if ctx.runner is None or not isinstance(call.get("exp"), int):
         return
     view = paths.shell_view(tuple(call.get("allowed_paths", ())))

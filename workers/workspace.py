@@ -37,7 +37,7 @@ class FileState:
 
 def workspace_dir(root: Path, tenant: str, run_id: str, owner_uid: int | None) -> Path:
     """Create `<root>/<tenant>/<run_id>` if needed; hand it to the sandbox's user when we are root."""
-    path = _run_path(root, tenant, run_id)
+    path = run_path(root, tenant, run_id)
     if not path.is_dir():
         path.mkdir(parents=True, exist_ok=True, mode=0o711)
         if owner_uid is not None:
@@ -46,7 +46,7 @@ def workspace_dir(root: Path, tenant: str, run_id: str, owner_uid: int | None) -
 
 
 @functools.lru_cache(maxsize=1024)
-def _run_path(root: Path, tenant: str, run_id: str) -> Path:
+def run_path(root: Path, tenant: str, run_id: str) -> Path:
     """The same Path for a run's calls: pathlib interns every component, and a fresh Path per call
     churned CPython's table of interned strings, whose resizes left pool processes ~1 MiB bigger."""
     return root / tenant / run_id
