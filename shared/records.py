@@ -59,7 +59,11 @@ local function may_run(state)
 end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
-if status ~= 'queued' and not (ARGV[5] == '1' and status == 'running') then return {status} end
+if status ~= 'queued' and not (ARGV[5] == '1' and status == 'running') then
+  -- A shell call runs at most once: a second delivery of one started already does not run it.
+  if status == 'running' then return {'started already'} end
+  return {status}
+end
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_ms', ARGV[2], 'worker', ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 if ARGV[5] ~= '1' then

@@ -399,3 +399,30 @@ def test_a_signal_sent_while_the_call_is_queued_reaches_it_once_it_runs(agent) -
     ws.close()
     # Sent before the command existed, it reaches it as soon as it does (before any trap it would set).
     assert received.exit["signal"] == "SIGINT" and received.exit["exit_code"] == 130, received.exit
+
+
+def test_a_second_delivery_of_a_running_shell_call_does_not_run_it_again(agent) -> None:
+    """kombu gives a message back when its ack did not get through (Redis dropped the connection
+    mid-call; shared/broker.py gives back what a closed channel could not): the call is running
+    already, and a second delivery of its message must not run its command a second time."""
+    from shared.celery_app import create_celery
+    from shared.keys import SHELL_QUEUE
+    from shared.settings import Settings
+    command = "echo ran >> ran.txt; while [ ! -e go ]; do sleep 0.01; done; cat ran.txt"
+    accepted = agent.shell(command, wait=None)
+    assert accepted.status_code == 202, accepted.text
+    task_id = accepted.json()["task_id"]
+    wait_until(lambda: agent.get(task_id).json()["status"] == "running", 30, "the call to run")
+    message = {"tenant": agent.tenant, "run_id": agent.run_id, "sub": "test", "idem_key": "again",
+               "call_id": "again", "tool_name": "execute_shell_command", "network": False,
+               "parameters": {"command": command, "timeout_ms": 30_000}, "allowed_paths": ["**"]}
+    celery = create_celery(Settings.from_env(agent.stack.env, require_jwt=False))
+    celery.send_task("runwarden.execute_shell_command", args=[message], task_id=task_id, queue=SHELL_QUEUE,
+                     ignore_result=True)
+    line = f"shell call {task_id} not started: it is started already"
+    wait_until(lambda: any(line in log.read_text(errors="replace") for log in agent.stack.logs.glob("*.log")),
+               60, "the second delivery to be refused")
+    (agent.workspace / "go").write_text("")
+    done = wait_until(lambda: (view := agent.get(task_id).json())["status"] == "completed" and view, 60,
+                      "the call to end")
+    assert done["result"]["stdout"] == "ran\n", done["result"]
