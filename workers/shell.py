@@ -83,13 +83,15 @@ class ShellCall:
         self.publisher = Publisher(client, task_id, settings.stream_retention_s)
 
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
-            control: redis.client.PubSub, sent: tuple[str, ...] = (), view: ShellView = WHOLE_WORKSPACE) -> Outcome:
-        """`sent`: the signals clients sent before the call started, in order; `view`: what of the
-        workspace the token's allowed_paths show the command."""
+            control: redis.client.PubSub, start: Callable[[], tuple[str, ...] | None],
+            view: ShellView = WHOLE_WORKSPACE) -> Outcome:
+        """`start`: the call's start, made once, while its sandbox is set up: the signals clients
+        sent before it, in order, or None if the call is not to run (NotStarted is raised then);
+        `view`: what of the workspace the token's allowed_paths show the command."""
         started = time.monotonic()
-        process = self.runner.spawn(command, workspace, cwd, network, view)
+        process = self.runner.spawn(command, workspace, cwd, network, view, go=lambda: start() is not None)
         run = _Run(process, deadline=started + timeout_ms / 1000)
-        self._take_listed(run, sent)
+        self._take_listed(run, start() or ())
         run.streams = {
             process.stdout: StreamCopy("stdout", self.settings.http_output_bytes),
             process.stderr: StreamCopy("stderr", self.settings.http_output_bytes),

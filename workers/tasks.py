@@ -26,7 +26,7 @@ from shared.records import Records
 from workers import metrics, runtime, workspace
 from workers.files import Prepared, read_file as read_file_tool
 from workers.runtime import Runtime
-from workers.sandbox import Ahead, Key
+from workers.sandbox import Ahead, Key, NotStarted
 from workers.shell import ShellCall
 
 log = logging.getLogger("runwarden.tasks")
@@ -183,13 +183,13 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
                            exit_json=NOT_RUN.exit_event(Status.FAILED, error="unavailable"))
         return None
     try:
-        started = ctx.records.start(task_id, ctx.name)
-        if started.status != "running":
-            log.info("shell call %s not started: it is %s", task_id, started.status)
-            return None
-        metrics.call_started(call["tool_name"], started.queue_wait_s)
+        start = ShellStart(ctx, task_id, call["tool_name"])
         run_seen = ctx.has_workspace(call["tenant"], call["run_id"])  # before this call makes it
-        status, result, exit_json = _run_shell(ctx, task_id, call, control, started.signals)
+        ran = _run_shell(ctx, task_id, call, control, start)
+        if ran is None or start() is None:  # started here if a failure came before its sandbox
+            log.info("shell call %s not started: it is %s", task_id, start.status)
+            return None
+        status, result, exit_json = ran
         run_busy = ctx.records.finish(task_id, status, result, exit_json=exit_json)
         if status is not Status.FAILED and run_seen and run_busy == 0:
             _prepare_next(ctx, call)
@@ -201,6 +201,25 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     finally:
         with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
             control.unsubscribe(keys.control(task_id))
+
+
+class ShellStart:
+    """A shell call's start (queued → running), made once: by its runner while the sandbox is set
+    up (so the round trip overlaps bwrap's work), or by the task after a failure that came first.
+    Called: the signals sent before the call started, or None if it may not start."""
+
+    def __init__(self, ctx: Runtime, task_id: str, tool_name: str) -> None:
+        self.ctx, self.task_id, self.tool_name = ctx, task_id, tool_name
+        self.status = ""
+        self.signals: tuple[str, ...] = ()
+
+    def __call__(self) -> tuple[str, ...] | None:
+        if not self.status:
+            started = self.ctx.records.start(self.task_id, self.ctx.name)
+            self.status, self.signals = started.status, started.signals
+            if started.status == "running":
+                metrics.call_started(self.tool_name, started.queue_wait_s)
+        return self.signals if self.status == "running" else None
 
 
 def _prepare_next(ctx: Runtime, call: dict[str, Any]) -> None:
@@ -245,7 +264,8 @@ def subscribe_control(control: Any, channel: str) -> None:
 
 
 def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
-               sent: tuple[str, ...]) -> tuple[Status, Any, str]:
+               start: ShellStart) -> tuple[Status, Any, str] | None:
+    """The call's outcome, or None if its start said it may not run (nothing of it ran)."""
     p = call["parameters"]
     try:
         if ctx.runner is None:
@@ -259,8 +279,10 @@ def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
                           refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
         # A message without allowed_paths (from an older API) shows the command nothing, never everything.
         view = paths.shell_view(tuple(call.get("allowed_paths", ())))
-        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, sent, view)
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, start, view)
         return outcome.status, outcome.result, outcome.exit_event
+    except NotStarted:
+        return None
     except RunwardenError as exc:
         if isinstance(exc, SandboxUnavailable):
             metrics.sandbox_failed()

@@ -18,7 +18,7 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from shared.endings import UNMEASURED, Usage
 from shared.errors import PathForbidden
@@ -127,11 +127,21 @@ class Ahead:
     expires_at: float
 
 
+class NotStarted(Exception):
+    """The call's go-ahead (a runner's `go`) said no: its sandbox was stopped before its command."""
+
+
+Go = Callable[[], bool]  # a call's go-ahead: asked once its sandbox is on its way, before its command
+
+
 class Runner(Protocol):
     name: str
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE) -> Process: ...
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> Process:
+        """Start `command`. `go`, if given, is asked once the sandbox is on its way and before the
+        command is handed to it, so what it waits for (the call's start in Redis) overlaps the
+        sandbox's set-up; if it says no, nothing of the command runs and NotStarted is raised."""
 
     def after_call(self) -> None:
         """Work for between calls, once a call has answered (its cgroup's upkeep)."""

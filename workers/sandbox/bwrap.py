@@ -35,8 +35,9 @@ from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers import workspace as workspace_files
 from workers.cgroups import CallGroup, Cgroups
-from workers.sandbox.base import (COMMAND_READER, ColdRunner, kill_tree, SANDBOX_HOME, SANDBOX_UID, Limits, PopenProcess, backstop_ulimits,
-                                  check_cwd, environment, let_commands_start_with_default_signals, write_frame)
+from workers.sandbox.base import (COMMAND_READER, ColdRunner, Go, kill_tree, Limits, NotStarted, PopenProcess,
+                                  SANDBOX_HOME, SANDBOX_UID, backstop_ulimits, check_cwd, environment,
+                                  let_commands_start_with_default_signals, write_frame)
 
 _SYSTEM_DIRS = ("/usr", "/opt/conda")  # read-only; /bin, /lib… are symlinks into /usr on merged-usr systems
 _LIVE_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts")  # bound live, over placeholders, for shell:network
@@ -121,12 +122,12 @@ class BwrapRunner(ColdRunner):
         return args + (["--remount-ro", SANDBOX_HOME] if "--remount-ro" in self.features else [])
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE) -> PopenProcess:
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> PopenProcess:
         check_cwd(view, cwd)
         binds = None if view.whole else _open_view(workspace, view)
         meter = self.meter()
         try:
-            process, stdin = self._spawn(workspace, network, binds, meter)
+            process, stdin = self._spawn(workspace, network, binds, meter, go)
         except BaseException:
             meter.stop()  # lets go of what it holds open
             raise
@@ -136,14 +137,22 @@ class BwrapRunner(ColdRunner):
         return process
 
     def _spawn(self, workspace: Path, network: bool, binds: list[tuple[str, int]] | None,
-               meter: usage.Meter = usage.NO_METER) -> tuple[PopenProcess, int]:
-        """The sandbox, started and waiting for its command, and the write end of its stdin."""
+               meter: usage.Meter = usage.NO_METER, go: Go | None = None) -> tuple[PopenProcess, int]:
+        """The sandbox, started and waiting for its command, and the write end of its stdin; `go`
+        is asked while bwrap sets it up (NotStarted, and the sandbox stopped, if it says no)."""
         launched = self.launch(workspace, network, binds, self.cgroups.for_this_process() if self.cgroups else None)
         try:
+            going = go() if go is not None else True
             info = _read_all(launched.status)
+        except BaseException:
+            launched.stop(launched.popen.pid)
+            raise
         finally:
             os.close(launched.status)
         child = launched.settle(info)
+        if not going:
+            launched.stop(child)
+            raise NotStarted()
         return PopenProcess(launched.popen, child, meter, sandbox_init=True), launched.stdin
 
     def launch(self, workspace: Path, network: bool, binds: list[tuple[str, int]] | None,
@@ -224,14 +233,19 @@ class Launched:
             try:
                 self.move_into.add(child)  # bwrap's sandbox child, before it starts anything
             except OSError as exc:
-                kill_tree(self.popen, child)  # never let it run unbounded: bwrap reads EOF as "go" too
-                self.popen.wait()
-                self.abort()
+                self.stop(child)  # never let it run unbounded: bwrap reads EOF as "go" too
                 raise SandboxUnavailable(f"cannot move the sandbox into its cgroup: {exc}") from None
             finally:
                 _close(self.block)
                 self.block = None
         return child
+
+    def stop(self, child: int) -> None:
+        """Kill it (bwrap, and the sandbox whose init is `child`, or bwrap's pid while that is not
+        known: its group holds the init until the sandbox has its own), reap it, let go of it."""
+        kill_tree(self.popen, child)
+        self.popen.wait()
+        self.abort()
 
     def abort(self) -> None:
         """Let go of what the spawner holds of it (its stdin, its --block-fd); bwrap's pipes too,

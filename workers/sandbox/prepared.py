@@ -27,7 +27,7 @@ from shared.endings import Usage
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from shared.settings import Settings
 from workers import metrics, usage
-from workers.sandbox.base import Ahead, Key, check_cwd, init_has_forked, write_frame
+from workers.sandbox.base import Ahead, Go, Key, NotStarted, check_cwd, init_has_forked, write_frame
 from workers.sandbox.bwrap import BwrapRunner
 from workers.sandbox.host import runtime_dir
 
@@ -277,13 +277,21 @@ class PreparedRunner:
         return self.cold.cgroups
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE) -> "HandedProcess | Any":
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> "HandedProcess | Any":
         check_cwd(view, cwd)
         handed = self.keeper.claim(Key(str(workspace), network, view))
         if handed is None:
             metrics.sandbox_started("cold")
-            return self.cold.spawn(command, workspace, cwd, network, view)
+            return self.cold.spawn(command, workspace, cwd, network, view, go)
         metrics.sandbox_started("prepared")
+        try:
+            if go is not None and not go():
+                raise NotStarted()
+        except BaseException:
+            handed.kill()  # single use: killed, never given back
+            handed.wait(5)
+            handed.close()
+            raise
         stdin, handed.stdin = handed.stdin, -1
         write_frame(stdin, cwd, command)
         return handed

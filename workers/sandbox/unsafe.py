@@ -7,8 +7,8 @@ from pathlib import Path
 
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers.cgroups import Cgroups
-from workers.sandbox.base import (ColdRunner, Limits, PopenProcess, backstop_prelude, check_cwd, environment,
-                                  let_commands_start_with_default_signals)
+from workers.sandbox.base import (ColdRunner, Go, Limits, NotStarted, PopenProcess, backstop_prelude, check_cwd,
+                                  environment, let_commands_start_with_default_signals)
 
 
 class UnsafeRunner(ColdRunner):
@@ -22,8 +22,10 @@ class UnsafeRunner(ColdRunner):
         self._prelude = backstop_prelude(limits, cgroups is not None)
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE) -> PopenProcess:
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> PopenProcess:
         check_cwd(view, cwd)  # nothing else of the view: without a sandbox the command sees everything
+        if go is not None and not go():  # nothing to overlap it with: this bash starts its command
+            raise NotStarted()
         let_commands_start_with_default_signals()
         prelude = self._prelude
         if self.cgroups:  # nothing isolates this bash, so it can join its cgroup itself
