@@ -414,18 +414,19 @@ def test_task_events_show_who_and_what_never_the_diff_or_command(agent, tmp_path
     agent.write("s.txt", b"old\n")
     diff = f"--- a/s.txt\n+++ b/s.txt\n@@ -1 +1 @@\n-old\n+{in_diff}\n"
     celery = create_celery(Settings.from_env(agent.stack.env, require_jwt=False))
+    workers = sum(1 for name, _ in agent.stack.stack.children if name.startswith(("w", "node")))
     pubsub = agent.stack.redis.pubsub()
     pubsub.psubscribe("*celeryev*")
     try:
-        answers = celery.control.enable_events(reply=True, timeout=10)
-        assert answers and all("task events enabled" in str(a) for a in answers), answers
+        answers = celery.control.enable_events(reply=True, timeout=30, limit=workers)  # back once all did
+        assert len(answers) == workers and all("task events enabled" in str(a) for a in answers), answers
         patch = agent.call("apply_file_patch", {"path": "s.txt", "diff": diff, "base_sha": git_blob_sha(b"old\n")})
         assert patch.status_code == 200, patch.text
         events = _task_events(pubsub, patch.json()["task_id"], {"task-received", "task-succeeded"})
         shell = agent.shell(f"echo {in_command}", wait=30).json()
         events_shell = _task_events(pubsub, shell["task_id"], {"task-received", "task-succeeded"})
     finally:
-        celery.control.disable_events(reply=True, timeout=10)
+        celery.control.disable_events(reply=True, timeout=30, limit=workers)
         pubsub.close()
     # The API sends no task-sent event (it was a second publish per call): Flower sees a call from
     # the worker's task-received on, whose args are the summary.
