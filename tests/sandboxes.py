@@ -61,11 +61,11 @@ def wait_ready(stack: Any, key: Key) -> dict[str, Any]:
                       READY_TIMEOUT_S, "the keeper to have the run's next sandbox ready")
 
 
-def ready_after_calls(agent: Any, call_true: Callable[[], object], key: Key | None = None) -> dict[str, Any]:
+def ready_after_calls(agent: Any, call_true: Callable[[], object]) -> dict[str, Any]:
     """The run's next sandbox, ready. The keeper is asked for one when a call ends on a run whose
     workspace was there before it (and no other of its calls is queued or running): a run without
     a workspace makes a first call, which makes it, then the one after which it is prepared."""
-    key = key or key_of(agent)
+    key = key_of(agent)
     if prepared_for(agent.stack, key) is None:
         if not agent.workspace.is_dir():
             call_true()
