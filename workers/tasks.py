@@ -190,9 +190,9 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
             log.info("shell call %s not started: it is %s", task_id, start.status)
             return None
         status, result, exit_json = ran
-        run_busy = ctx.records.finish(task_id, status, result, exit_json=exit_json)
-        if status is not Status.FAILED and run_seen and run_busy == 0:
-            _prepare_next(ctx, call)
+        others = ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        if status is not Status.FAILED:
+            _prepare_next(ctx, call, run_seen, others)
         metrics.output_relayed(result)
         count_output(ctx.redis, call["tenant"], result)
         if ctx.runner is not None:
@@ -222,14 +222,15 @@ class ShellStart:
         return self.signals if self.status == "running" else None
 
 
-def _prepare_next(ctx: Runtime, call: dict[str, Any]) -> None:
+def _prepare_next(ctx: Runtime, call: dict[str, Any], run_seen: bool, others: int | None) -> None:
     """Once a call has answered, its run's next call is likely to come soon (an agent makes its
     calls in a row): the runner may start its sandbox now (workers/sandbox/keeper.py), for as long
-    as the call's token is good. Asked only for a run that had come before this call (many runs
-    make one call; its workspace was there) and has no other call queued or running (that one
-    comes at once, before a sandbox could be ready, and a busy pool has no CPU to spare for
-    sandboxes that may never be used). A message without the token's exp (an older API) gets none."""
-    if ctx.runner is None or not isinstance(call.get("exp"), int):
+    as the call's token is good. Asked only for a run that had come before this call (`run_seen`:
+    its workspace was there; many runs make one call) and with no other call queued or running
+    (`others`, as the call's end found them: that one comes at once, before a sandbox could be
+    ready, and a busy pool has no CPU to spare for sandboxes that may never be used). A message
+    without the token's exp (an older API) gets none."""
+    if ctx.runner is None or not run_seen or others != 0 or not isinstance(call.get("exp"), int):
         return
     view = paths.shell_view(tuple(call.get("allowed_paths", ())))
     key = Key(str(ctx.workspace(call["tenant"], call["run_id"])), bool(call.get("network", False)), view)
