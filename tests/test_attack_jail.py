@@ -193,7 +193,7 @@ def spawn(runner, command: str, ws: Path, patterns=("docs/**",), cwd: str = "") 
 def without_bind_fd(runner):  # type: ignore[no-untyped-def]
     """The same runner as a bwrap older than 0.10 (Debian 12's 0.8, Ubuntu 24.04's 0.9) gives."""
     return sandbox.BwrapRunner(runner.bwrap, runner.limits, runner.host_uid, runner.etc_dir, runner.cgroups,
-                               runner.features - {"--bind-fd"}, runner.setpriv)
+                               runner.features - {"--bind-fd"}, runner.setpriv, runner.thread_uid)
 
 
 @pytest.mark.parametrize("old_bwrap", [False, True], ids=["bind-fd", "proc-fd"])

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -15,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from billiard import util as billiard_util
 
 from runwarden import devstack
 from shared.errors import InvalidIdempotencyKey, MissingIdempotencyKey, SchemaInvalid
@@ -177,26 +180,76 @@ def test_a_verified_token_still_expires_and_stays_bound_to_its_key() -> None:
         tokens.verify(token, settings)
 
 
+def _ids(pid: int | str) -> dict[str, str]:
+    """The uid, gid, groups and capability lines of /proc/<pid>/status."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)
+            if k in ("Uid", "Gid", "Groups", "CapPrm", "CapEff", "CapInh", "CapAmb")}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop only happens when the worker is root")
-@pytest.mark.parametrize("with_setpriv", [True, False])
-def test_bwrap_drops_to_the_sandbox_uid_with_or_without_setpriv(with_setpriv: bool) -> None:
-    """setpriv's exec is the fast path; without it, subprocess drops the uid itself (a fork)."""
+@pytest.mark.parametrize("drop", ["thread", "setpriv", "fork"])
+def test_bwrap_drops_to_the_sandbox_uid_by_thread_setpriv_or_fork(drop: str) -> None:
+    """The spawning thread's own drop is the fast path, setpriv's exec the next, subprocess's fork
+    the last: each leaves bwrap with every id the sandbox uid's and no capability, and the
+    spawning thread as it was (root, its groups, its parent-death signal, the process dumpable)."""
     root = devstack.reachable_dir("rw-uid-")
     try:
         workspace = root / "ws"
         workspace.mkdir()
         os.chown(workspace, 65534, 65534)
-        bwrap = sandbox.find_bwrap()
-        assert bwrap is not None
-        runner = _runner(root, 65534, setpriv=shutil.which("setpriv") if with_setpriv else None)
-        if with_setpriv and runner.setpriv is None:
-            pytest.skip("no setpriv on this machine")
-        process = runner.spawn("touch made; ulimit -n", workspace, "", False)
+        thread_uid = sandbox.ThreadUid.for_this_machine(65534) if drop == "thread" else None
+        setpriv = shutil.which("setpriv") if drop == "setpriv" else None
+        if (drop, thread_uid, setpriv) in (("thread", None, None), ("setpriv", None, None)):
+            pytest.skip(f"no {drop} drop on this machine")
+        runner = _runner(root, 65534, setpriv=setpriv, thread_uid=thread_uid)
+        before = _ids("thread-self"), os.getgroups(), billiard_util.get_pdeathsig()
+        billiard_util.set_pdeathsig(signal.SIGUSR2)  # as a pool process has one: it must survive the drop
+        try:
+            process = runner.spawn("ulimit -n; touch made; exec sleep 30", workspace, "", False)
+            assert isinstance(process, sandbox.PopenProcess)
+            outside = _ids(process.popen.pid)  # bwrap's own process, on the host
+            assert (_ids("thread-self"), os.getgroups()) == before[:2]
+            assert billiard_util.get_pdeathsig() == signal.SIGUSR2
+            assert _dumpable()
+        finally:
+            billiard_util.set_pdeathsig(before[2])
+        deadline = time.monotonic() + 30
+        while not (workspace / "made").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        process.kill()  # once its output is written
         code, out, err = sandbox.communicate(process, timeout_s=20)
-        assert (code, out) == (0, b"256\n"), err
+        assert outside["Uid"].split() == ["65534"] * 4 and outside["Gid"].split() == ["65534"] * 4, outside
+        assert outside["Groups"] == "" and {outside[c] for c in ("CapPrm", "CapEff", "CapAmb")} == {"0" * 16}
+        assert out.startswith(b"256\n"), (code, out, err)
         assert (workspace / "made").stat().st_uid == 65534
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_uid_drop_is_the_spawning_threads_alone_and_undone_after_a_failed_spawn(tmp_path: Path) -> None:
+    thread_uid = sandbox.ThreadUid.for_this_machine(65534)
+    if thread_uid is None:
+        pytest.skip("no per-thread uid drop on this machine (not root, or an unknown machine)")
+    before = _ids("thread-self"), os.getgroups()
+    other_started, other_done = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: (other_started.set(), other_done.wait(30)))
+    other.start()
+    try:
+        other_started.wait(30)
+        with pytest.raises(PermissionError):  # pytest's temporary directories are 0700: the uid cannot look
+            with thread_uid.become():
+                assert os.getresuid() == (65534, 65534, 0) and os.getgroups() == []
+                assert _ids(f"self/task/{other.native_id}")["Uid"].split() == ["0"] * 4  # the process's other threads
+                subprocess.Popen([str(tmp_path / "missing")])
+    finally:
+        other_done.set()
+        other.join(30)
+    assert (_ids("thread-self"), os.getgroups()) == before and _dumpable()
+
+
+def _dumpable() -> bool:
+    return ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 1  # PR_GET_DUMPABLE
 
 
 def _gone(pid: int, timeout_s: float = 30) -> bool:
@@ -234,12 +287,13 @@ def test_a_sandbox_killed_while_bwrap_sets_it_up_leaves_nothing_running() -> Non
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _runner(root: Path, host_uid: int | None, cgroups: Cgroups | None = None,
-            setpriv: str | None = None) -> sandbox.BwrapRunner:
+def _runner(root: Path, host_uid: int | None, cgroups: Cgroups | None = None, setpriv: str | None = None,
+            thread_uid: sandbox.ThreadUid | None = None) -> sandbox.BwrapRunner:
     bwrap = sandbox.find_bwrap()
     assert bwrap is not None
     return sandbox.BwrapRunner(bwrap, sandbox.Limits(1 << 30, 64, 1 << 20, 256), host_uid,
-                               sandbox.build_etc(root / "etc"), cgroups, sandbox.bwrap_features(bwrap), setpriv)
+                               sandbox.build_etc(root / "etc"), cgroups, sandbox.bwrap_features(bwrap), setpriv,
+                               thread_uid)
 
 
 def test_sandbox_is_born_in_its_cgroup_and_the_spawning_thread_goes_home() -> None:
@@ -258,7 +312,8 @@ def test_sandbox_is_born_in_its_cgroup_and_the_spawning_thread_goes_home() -> No
         workspace.mkdir()
         if host_uid is not None:
             os.chown(workspace, host_uid, host_uid)
-        process = _runner(root, host_uid, cgroups, shutil.which("setpriv")).spawn("sleep 30", workspace, "", False)
+        thread_uid = sandbox.ThreadUid.for_this_machine(host_uid) if host_uid is not None else None
+        process = _runner(root, host_uid, cgroups, thread_uid=thread_uid).spawn("sleep 30", workspace, "", False)
         assert own_groups.read_text() == home
         for directory in group.dirs:  # bwrap's sandbox child, and so everything it starts
             assert str(process.group_leader) in (directory / "cgroup.procs").read_text().split()

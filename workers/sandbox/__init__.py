@@ -8,12 +8,13 @@ from workers.sandbox.base import (SANDBOX_HOME, Ahead, Go, Key, NotStarted, SAND
 from workers.sandbox.build import build_runner, self_test, communicate
 from workers.sandbox.bwrap import BwrapRunner, _close, _open_view
 from workers.sandbox.host import RUNTIME_DIR, build_etc, bwrap_features, find_bwrap, runtime_dir, stage_bwrap
+from workers.sandbox.thread_uid import ThreadUid
 from workers.sandbox.unsafe import UnsafeRunner
 
 __all__ = [
     "Ahead", "Go", "Key", "NotStarted",
     "SANDBOX_HOME", "SANDBOX_UID", "RUNTIME_DIR", "Limits", "PopenProcess", "Process", "Runner", "BwrapRunner",
-    "UnsafeRunner", "backstop_prelude", "build_etc", "build_runner", "bwrap_features", "environment", "find_bwrap",
+    "ThreadUid", "UnsafeRunner", "backstop_prelude", "build_etc", "build_runner", "bwrap_features", "environment", "find_bwrap",
     "let_commands_start_with_default_signals", "limits_prelude", "runtime_dir", "self_test", "stage_bwrap",
     "communicate", "frame", "write_frame", "_close", "_open_view",
 ]

@@ -15,6 +15,7 @@ from shared.settings import Settings
 from workers.cgroups import Cgroups
 from workers.sandbox.base import Limits, Process, Runner
 from workers.sandbox.bwrap import BwrapRunner
+from workers.sandbox.thread_uid import ThreadUid
 from workers.sandbox.host import (_unprivileged_uid, _untraversable, _warn_unless_nosuid, build_etc, bwrap_features,
                                   find_bwrap, runtime_dir, stage_bwrap)
 from workers.sandbox.unsafe import UnsafeRunner
@@ -44,8 +45,9 @@ def build_runner(settings: Settings) -> Runner:
         raise SandboxUnavailable(f"bwrap is installed below a directory the sandbox uid {host_uid} cannot "
                                  "traverse: install bubblewrap system-wide (/usr/bin/bwrap), or make every "
                                  "directory above bwrap traversable (o+x)")
-    setpriv = shutil.which("setpriv") if host_uid is not None else None
-    return BwrapRunner(bwrap, limits, host_uid, etc_dir, cgroups, bwrap_features(bwrap), setpriv)
+    thread_uid = ThreadUid.for_this_machine(host_uid) if host_uid is not None else None
+    setpriv = shutil.which("setpriv") if host_uid is not None and thread_uid is None else None
+    return BwrapRunner(bwrap, limits, host_uid, etc_dir, cgroups, bwrap_features(bwrap), setpriv, thread_uid)
 
 
 def self_test(runner: Runner, scratch: Path) -> None:

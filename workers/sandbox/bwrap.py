@@ -12,7 +12,8 @@ Spawning is on the hot path of every shell call, so nothing runs in Python betwe
 subprocess then uses vfork. What used to run there moved: the rlimits are set by the sandbox's
 one bash, which then reads the command from its stdin and runs it (base.COMMAND_READER), the
 sandbox is born in its cgroup (cgroup v1: the spawning thread steps into it around the spawn) or
-moved into it while bwrap waits on `--block-fd` (v2), and the uid drop is `setpriv`'s exec.
+moved into it while bwrap waits on `--block-fd` (v2), and the uid drop is made by the spawning
+thread alone around the spawn (thread_uid.py; `setpriv`'s exec where that cannot be).
 (Setting the rlimits from here instead, around the spawn, would need CAP_SYS_RESOURCE to raise the
 pool process's own hard limits back, which root lacks in some VMs and containers, this one included.)
 """
@@ -35,6 +36,7 @@ from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers import workspace as workspace_files
 from workers.cgroups import CallGroup, Cgroups
+from workers.sandbox.thread_uid import ThreadUid
 from workers.sandbox.base import (COMMAND_READER, ColdRunner, Go, kill_tree, Limits, NotStarted, PopenProcess,
                                   SANDBOX_HOME, SANDBOX_UID, backstop_ulimits, check_cwd, environment,
                                   let_commands_start_with_default_signals, write_frame)
@@ -48,13 +50,14 @@ class BwrapRunner(ColdRunner):
 
     def __init__(self, bwrap: str, limits: Limits, host_uid: int | None, etc_dir: Path,
                  cgroups: Cgroups | None = None, features: frozenset[str] = frozenset(),
-                 setpriv: str | None = None) -> None:
+                 setpriv: str | None = None, thread_uid: ThreadUid | None = None) -> None:
         self.bwrap = bwrap
         self.features = features
         self.limits = limits
         self.cgroups = cgroups
         self.host_uid = host_uid  # the unprivileged uid to become when the worker is root
-        self.setpriv = setpriv  # util-linux setpriv, which makes that uid drop an exec instead of a fork
+        self.thread_uid = thread_uid  # that drop made by the spawning thread alone (thread_uid.py)
+        self.setpriv = setpriv  # else util-linux setpriv, which makes it an exec instead of a fork
         # setpriv execs its argv as given, so the sandbox's /proc/1/cmdline shows bwrap's path,
         # unless bwrap is on the default search path (a distribution's /usr/bin/bwrap).
         on_default_path = shutil.which("bwrap", path=os.confstr("CS_PATH")) == bwrap
@@ -190,10 +193,13 @@ class BwrapRunner(ColdRunner):
         return Launched(popen, info_read, stdin_write, cgroup if block_write is not None else None, block_write)
 
     def _popen(self, command: list[str], options: int, stdin: int, fds: list[int | None]) -> subprocess.Popen[bytes]:
-        """Start bwrap (as the unprivileged uid, through setpriv, when we are root); no preexec_fn,
-        so subprocess can vfork."""
+        """Start bwrap (as the unprivileged uid when we are root: by this thread alone, else through
+        setpriv); no preexec_fn, so subprocess can vfork."""
         bwrap = ["bwrap", "--args", str(options), *command]
         executable, drop = self.bwrap, dict[str, Any]()
+        if self.host_uid is not None and self.thread_uid is not None:
+            with self.thread_uid.become():
+                return self._start(bwrap, executable, stdin, fds, drop)
         if self.host_uid is not None and self.setpriv:
             user, group = self._setpriv_ids
             bwrap = [self.setpriv, "--reuid", user, "--regid", group, "--clear-groups", "--", self._setpriv_bwrap,
@@ -201,8 +207,13 @@ class BwrapRunner(ColdRunner):
             executable = self.setpriv
         elif self.host_uid is not None:  # no setpriv: the same drop, by subprocess, at the price of a fork
             drop = {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
+        return self._start(bwrap, executable, stdin, fds, drop)
+
+    @staticmethod
+    def _start(argv: list[str], executable: str, stdin: int, fds: list[int | None],
+               drop: dict[str, Any]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            bwrap, executable=executable, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            argv, executable=executable, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={},  # bwrap itself starts clean: the sandbox's /proc/1/environ is empty too
             pass_fds=tuple(fd for fd in fds if fd is not None), start_new_session=True, **drop,
         )
