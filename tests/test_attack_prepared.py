@@ -205,7 +205,8 @@ def test_a_pool_process_killed_mid_call_takes_its_prepared_sandbox_with_it(lone:
 def test_nothing_is_prepared_after_a_runs_first_call_nor_while_another_of_its_calls_waits(lone: StackInfo) -> None:
     """Preparing costs a sandbox's start on the worker's CPU: it is asked for only when a call ends
     on a run that was there before it (many runs make one call) and has no other call queued or
-    running (that one would start before a sandbox is ready). One pool process runs the calls in
+    running (that one would start before a sandbox is ready). A run's first call does not even ask
+    for one to take. One pool process runs the calls in
     turn, and its requests reach the keeper in order, so what a call asked is known by the next."""
     from tests.conftest import Agent, ALL_SCOPES
     tenant = f"t{uuid.uuid4().hex[:10]}"
@@ -215,6 +216,7 @@ def test_nothing_is_prepared_after_a_runs_first_call_nor_while_another_of_its_ca
     run(seen, "true")  # a run seen before: its next sandbox is asked for after this call
     wait_ready(lone, key_of(seen))
     assert prepared_for(lone, key_of(new)) is None
+    assert counts(lone, str(new.workspace)) == (0, 0)  # nor was the keeper asked for one to take: none could be
     assert ready_after_calls(new, lambda: run(new, "true"))["ready"]  # its second call prepares
 
     busy = seen

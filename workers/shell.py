@@ -84,12 +84,14 @@ class ShellCall:
 
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
             control: redis.client.PubSub, start: Callable[[], tuple[str, ...] | None],
-            view: ShellView = WHOLE_WORKSPACE) -> Outcome:
+            view: ShellView = WHOLE_WORKSPACE, new_run: bool = False) -> Outcome:
         """`start`: the call's start, made once, while its sandbox is set up: the signals clients
         sent before it, in order, or None if the call is not to run (NotStarted is raised then);
-        `view`: what of the workspace the token's allowed_paths show the command."""
+        `view`: what of the workspace the token's allowed_paths show the command; `new_run`: its
+        workspace was made by this call (Runner.spawn)."""
         started = time.monotonic()
-        process = self.runner.spawn(command, workspace, cwd, network, view, go=lambda: start() is not None)
+        process = self.runner.spawn(command, workspace, cwd, network, view, go=lambda: start() is not None,
+                                    new_run=new_run)
         run = _Run(process, deadline=started + timeout_ms / 1000)
         self._take_listed(run, start() or ())
         run.streams = {

@@ -185,7 +185,7 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     try:
         start = ShellStart(ctx, task_id, call["tool_name"])
         run_seen = ctx.has_workspace(call["tenant"], call["run_id"])  # before this call makes it
-        ran = _run_shell(ctx, task_id, call, control, start)
+        ran = _run_shell(ctx, task_id, call, control, start, new_run=not run_seen)
         if ran is None or start() is None:  # started here if a failure came before its sandbox
             log.info("shell call %s not started: it is %s", task_id, start.status)
             return None
@@ -265,7 +265,7 @@ def subscribe_control(control: Any, channel: str) -> None:
 
 
 def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
-               start: ShellStart) -> tuple[Status, Any, str] | None:
+               start: ShellStart, new_run: bool) -> tuple[Status, Any, str] | None:
     """The call's outcome, or None if its start said it may not run (nothing of it ran)."""
     p = call["parameters"]
     try:
@@ -280,7 +280,8 @@ def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
                           refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
         # A message without allowed_paths (from an older API) shows the command nothing, never everything.
         view = paths.shell_view(tuple(call.get("allowed_paths", ())))
-        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, start, view)
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, start, view,
+                            new_run)
         return outcome.status, outcome.result, outcome.exit_event
     except NotStarted:
         return None

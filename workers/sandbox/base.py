@@ -138,10 +138,12 @@ class Runner(Protocol):
     name: str
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> Process:
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None, new_run: bool = False) -> Process:
         """Start `command`. `go`, if given, is asked once the sandbox is on its way and before the
         command is handed to it, so what it waits for (the call's start in Redis) overlaps the
-        sandbox's set-up; if it says no, nothing of the command runs and NotStarted is raised."""
+        sandbox's set-up; if it says no, nothing of the command runs and NotStarted is raised.
+        `new_run`: the call is its run's first (its workspace was just made), so nothing can have
+        been prepared for it."""
 
     def after_call(self) -> None:
         """Work for between calls, once a call has answered (its cgroup's upkeep)."""

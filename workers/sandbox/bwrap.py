@@ -125,7 +125,7 @@ class BwrapRunner(ColdRunner):
         return args + (["--remount-ro", SANDBOX_HOME] if "--remount-ro" in self.features else [])
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> PopenProcess:
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None, new_run: bool = False) -> PopenProcess:
         check_cwd(view, cwd)
         binds = None if view.whole else _open_view(workspace, view)
         meter = self.meter()

@@ -277,9 +277,9 @@ class PreparedRunner:
         return self.cold.cgroups
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> "HandedProcess | Any":
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None, new_run: bool = False) -> "HandedProcess | Any":
         check_cwd(view, cwd)
-        handed = self.keeper.claim(Key(str(workspace), network, view))
+        handed = None if new_run else self.keeper.claim(Key(str(workspace), network, view))
         if handed is None:
             metrics.sandbox_started("cold")
             return self.cold.spawn(command, workspace, cwd, network, view, go)

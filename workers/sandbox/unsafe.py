@@ -22,7 +22,7 @@ class UnsafeRunner(ColdRunner):
         self._prelude = backstop_prelude(limits, cgroups is not None)
 
     def spawn(self, command: str, workspace: Path, cwd: str, network: bool,
-              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None) -> PopenProcess:
+              view: ShellView = WHOLE_WORKSPACE, go: Go | None = None, new_run: bool = False) -> PopenProcess:
         check_cwd(view, cwd)  # nothing else of the view: without a sandbox the command sees everything
         if go is not None and not go():  # nothing to overlap it with: this bash starts its command
             raise NotStarted()
