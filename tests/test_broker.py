@@ -74,3 +74,29 @@ def test_celery_is_given_the_repaired_transport() -> None:
         app = create_celery(Settings.from_env({"RUNWARDEN_REDIS_URL": url}, require_jwt=False))
         with app.connection_for_write() as connection:
             assert isinstance(connection.transport, kind)
+
+
+def test_a_channel_sends_its_commands_through_one_client_for_its_pool(redis_url: str) -> None:
+    """kombu built a redis-py client for each publish, unacked record and ack (~0.14 ms of CPU
+    each); a channel keeps one, and builds another only when its pool is replaced."""
+    connection = kombu.Connection(redis_url, transport=broker.transport_for(redis_url))
+    try:
+        channel = connection.default_channel
+        built = []
+        create = channel._create_client
+        channel._create_client = lambda *args, **kwargs: built.append(create(*args, **kwargs)) or built[-1]
+        with connection.Producer(channel) as producer:
+            for n in range(3):
+                producer.publish({"n": n}, routing_key=QUEUE, declare=[kombu.Queue(QUEUE)])
+        for n in range(3):
+            message = channel.basic_get(QUEUE, no_ack=False)
+            assert message is not None and message.decode() == {"n": n}
+            message.ack()
+        assert len(built) == 1
+        client = redis.Redis.from_url(redis_url)
+        assert client.llen(QUEUE) == 0 and client.hlen("unacked") == 0  # each command went through it
+        channel._pool = None  # a new pool (kombu makes one after a reconnection): a client on it
+        with channel.conn_or_acquire() as fresh:
+            assert fresh.connection_pool is channel.pool and len(built) == 2
+    finally:
+        connection.release()
