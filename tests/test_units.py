@@ -248,6 +248,29 @@ def test_the_uid_drop_is_the_spawning_threads_alone_and_undone_after_a_failed_sp
     assert (_ids("thread-self"), os.getgroups()) == before and _dumpable()
 
 
+def test_a_thread_left_dropped_is_whole_again_at_its_next_spawn(tmp_path: Path) -> None:
+    """A signal's exception raised between a spawn and its take-back (Python runs handlers between
+    bytecodes) would leave the thread the sandbox uid: it then fails what needs root, and the next
+    spawn takes it back first."""
+    thread_uid = sandbox.ThreadUid.for_this_machine(65534)
+    if thread_uid is None:
+        pytest.skip("no per-thread uid drop on this machine (not root, or an unknown machine)")
+    before = _ids("thread-self"), os.getgroups()
+    (tmp_path / "root-owned").write_text("")
+    with thread_uid.become():
+        pass
+    thread_uid._call(thread_uid._setresuid, 65534, 65534, -1)  # as if the take-back never ran
+    try:
+        with pytest.raises(PermissionError):
+            os.chown(tmp_path / "root-owned", 0, 0)  # root's work fails: closed, not open
+        with thread_uid.become():
+            assert os.getresuid() == (65534, 65534, 0)
+    finally:
+        if os.getresuid() != (0, 0, 0):
+            os.setresuid(0, 0, 0)
+    assert (_ids("thread-self"), os.getgroups()) == before and _dumpable()
+
+
 def _dumpable() -> bool:
     return ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 1  # PR_GET_DUMPABLE
 

@@ -22,6 +22,7 @@ import ctypes
 import gc
 import os
 import platform
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ class ThreadUid:
         self._setgroups, self._setresgid, self._setresuid = numbers
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._lock = threading.Lock()  # one spawn at a time in a process: the GC hold is process-wide
+        self._root = os.getresuid(), os.getresgid(), os.getgroups()  # what each thread is taken back to
+        self._flags = 0, 1  # the parent-death signal and dumpable flag seen by the last spawn
 
     @classmethod
     def for_this_machine(cls, uid: int) -> ThreadUid | None:
@@ -53,8 +56,11 @@ class ThreadUid:
     @contextlib.contextmanager
     def become(self) -> Iterator[None]:
         with self._lock:
-            uids, gids, groups = os.getresuid(), os.getresgid(), os.getgroups()
-            death_signal, dumpable = self._prctl_get(_PR_GET_PDEATHSIG), self._prctl(_PR_GET_DUMPABLE)
+            if os.getresuid() != self._root[0]:
+                # Only a signal's exception, raised between the spawn and the take-back, leaves a
+                # thread dropped: it then fails what needs root (closed), and is whole again here.
+                self._take_back(*self._flags)
+            self._flags = death_signal, dumpable = self._prctl_get(_PR_GET_PDEATHSIG), self._prctl(_PR_GET_DUMPABLE)
             collecting = gc.isenabled()
             gc.disable()
             try:
@@ -63,12 +69,15 @@ class ThreadUid:
                 self._call(self._setresuid, self.uid, self.uid, _UNCHANGED)
                 yield
             finally:
-                self._take_back(uids, gids, groups, death_signal, dumpable)
+                self._take_back(death_signal, dumpable)
                 if collecting:
                     gc.enable()
 
-    def _take_back(self, uids: tuple[int, int, int], gids: tuple[int, int, int], groups: list[int],
-                   death_signal: int, dumpable: int) -> None:
+    def _take_back(self, death_signal: int, dumpable: int) -> None:
+        uids, gids, groups = self._root
+        # Signals wait meanwhile: a Python handler raising here (Celery's, on the main thread)
+        # would leave the thread half taken back.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         try:
             self._call(self._setresuid, *uids)  # first: root's capabilities are needed for the rest
             self._call(self._setresgid, *gids)
@@ -78,6 +87,8 @@ class ThreadUid:
         except OSError as exc:  # cannot happen with a saved uid of 0; never go on half dropped
             os.write(2, f"runwarden: the spawning thread could not take its ids back: {exc}\n".encode())
             os._exit(70)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _set_groups(self, groups: list[int]) -> None:
         array = (ctypes.c_uint * len(groups))(*groups)
