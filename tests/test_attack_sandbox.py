@@ -297,7 +297,8 @@ def test_concurrent_sandboxes_cannot_see_each_other(agent, make_agent) -> None:
     peer_id = peer.json()["task_id"]
     try:
         wait_until(lambda: (other.workspace / "ready").exists(), 60, "the peer to be running")
-        assert host_processes_with(marker), "the peer's command is visible from the host"
+        # `ready` comes just before the inner bash starts, whose argv holds the marker
+        wait_until(lambda: host_processes_with(marker), 30, "the peer's command to be visible from the host")
         probe = run(agent, "ps -eo args; ls -A /tmp; cat /proc/[0-9]*/cmdline; echo end")
         assert probe["stdout"].endswith("end\n")
         assert marker not in probe["stdout"], probe
