@@ -18,7 +18,8 @@ import redis
 
 from shared.keys import signals, task_id_for
 from workers.sandbox import RUNTIME_DIR
-from workers.tasks import subscribe_control
+from runwarden import devstack
+from workers.tasks import ShellStart, subscribe_control
 from tests.streams import collect, connect, watch
 from tests.waiting import wait_until
 
@@ -323,6 +324,20 @@ def test_sandbox_sees_no_host_paths_in_its_init_cmdline(agent) -> None:
     assert program == "bwrap" or program.startswith(f"{RUNTIME_DIR}/"), program
     assert re.match(r"--args \d+ -- /bin/bash -c ", options), options  # options came through a memfd
     assert str(agent.stack.workspaces) not in body["result"]["stdout"]
+
+
+def test_a_call_that_cannot_listen_to_its_control_channel_is_not_started() -> None:
+    """The start subscribes first, so a cancel that sees `running` reaches the call; a control
+    connection that cannot subscribe (Redis gone) leaves the call unstarted, for the task to end."""
+    class Records:
+        def start(self, *args: object, **kwargs: object) -> None:
+            pytest.fail("the call was started without listening to its control channel")
+
+    unreachable = redis.Redis(port=devstack.free_port(), socket_connect_timeout=5).pubsub()
+    ctx = type("Ctx", (), {"records": Records(), "name": "w"})()
+    start = ShellStart(ctx, "a-task", "execute_shell_command", unreachable)  # type: ignore[arg-type]
+    assert start() is None and start.deaf
+    assert start() is None  # asked again (after the sandbox said no): still not started
 
 
 def test_control_connection_forgets_each_calls_channel(stack) -> None:

@@ -173,21 +173,16 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
     ctx, task_id = self.ctx, self.request.id
     control = ctx.control
     try:
-        # Subscribed before the call is marked running, so a cancel that sees `running` reaches us.
-        subscribe_control(control, keys.control(task_id))
-    except redis.ConnectionError:
-        # The message is already acked: end the call, or it would stay queued with no exit event.
-        log.exception("shell call %s could not subscribe to its control channel", task_id)
-        result = {"code": "unavailable", "message": "The call could not run: ConnectionError."}
-        ctx.records.finish(task_id, Status.FAILED, result,
-                           exit_json=NOT_RUN.exit_event(Status.FAILED, error="unavailable"))
-        return None
-    try:
-        start = ShellStart(ctx, task_id, call["tool_name"])
+        start = ShellStart(ctx, task_id, call["tool_name"], control)
         run_seen = ctx.has_workspace(call["tenant"], call["run_id"])  # before this call makes it
         ran = _run_shell(ctx, task_id, call, control, start, new_run=not run_seen)
         if ran is None or start() is None:  # started here if a failure came before its sandbox
-            log.info("shell call %s not started: it is %s", task_id, start.status)
+            if start.deaf:
+                # The message is already acked: end the call, or it would stay queued with no exit event.
+                result = {"code": "unavailable", "message": "The call could not run: ConnectionError."}
+                ctx.records.finish(task_id, Status.FAILED, result,
+                                   exit_json=NOT_RUN.exit_event(Status.FAILED, error="unavailable"))
+            log.info("shell call %s not started: it is %s", task_id, start.status or "unsubscribed")
             return None
         status, result, exit_json = ran
         others = ctx.records.finish(task_id, status, result, exit_json=exit_json)
@@ -205,16 +200,25 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
 
 class ShellStart:
     """A shell call's start (queued → running), made once: by its runner while the sandbox is set
-    up (so the round trip overlaps bwrap's work), or by the task after a failure that came first.
-    Called: the signals sent before the call started, or None if it may not start."""
+    up (so its round trips overlap bwrap's work), or by the task after a failure that came first.
+    It subscribes to the call's control channel first, so a cancel that sees `running` reaches the
+    call. Called: the signals sent before the call started, or None if it may not start (`deaf`:
+    the subscription failed, and the call was not started)."""
 
-    def __init__(self, ctx: Runtime, task_id: str, tool_name: str) -> None:
-        self.ctx, self.task_id, self.tool_name = ctx, task_id, tool_name
+    def __init__(self, ctx: Runtime, task_id: str, tool_name: str, control: Any) -> None:
+        self.ctx, self.task_id, self.tool_name, self.control = ctx, task_id, tool_name, control
         self.status = ""
+        self.deaf = False
         self.signals: tuple[str, ...] = ()
 
     def __call__(self) -> tuple[str, ...] | None:
-        if not self.status:
+        if not self.status and not self.deaf:
+            try:
+                subscribe_control(self.control, keys.control(self.task_id))
+            except redis.ConnectionError:
+                log.exception("shell call %s could not subscribe to its control channel", self.task_id)
+                self.deaf = True
+                return None
             started = self.ctx.records.start(self.task_id, self.ctx.name)
             self.status, self.signals = started.status, started.signals
             if started.status == "running":
