@@ -14,7 +14,8 @@ from workers.sandbox.unsafe import UnsafeRunner
 __all__ = [
     "Ahead", "Go", "Key", "NotStarted",
     "SANDBOX_HOME", "SANDBOX_UID", "RUNTIME_DIR", "Limits", "PopenProcess", "Process", "Runner", "BwrapRunner",
-    "ThreadUid", "UnsafeRunner", "backstop_prelude", "build_etc", "build_runner", "bwrap_features", "environment", "find_bwrap",
+    "ThreadUid", "UnsafeRunner", "backstop_prelude", "build_etc", "build_runner", "bwrap_features", "environment",
+    "find_bwrap",
     "let_commands_start_with_default_signals", "limits_prelude", "runtime_dir", "self_test", "stage_bwrap",
     "communicate", "frame", "write_frame", "_close", "_open_view",
 ]

@@ -9,7 +9,7 @@ while keeping root as its saved uid; subprocess's vfork child is born with the t
 credentials, and its exec of bwrap makes all three ids the uid's (the saved id follows the
 effective one) with no capabilities left (neither the real nor the effective id is 0); then the
 thread takes root back. The pool process's other threads stay root throughout. This replaces
-`setpriv`'s exec, which cost ~1.3 ms and ~1.4 ms of CPU of every spawn (bench/).
+`setpriv`'s exec, which cost ~1.3 ms and ~1.4 ms of CPU of every spawn (measured on a 2-core VM).
 
 What the kernel does to a thread whose credentials change is undone with them: it clears the
 thread's parent-death signal (billiard's pool processes set one) and marks the whole process
@@ -60,7 +60,8 @@ class ThreadUid:
                 # Only a signal's exception, raised between the spawn and the take-back, leaves a
                 # thread dropped: it then fails what needs root (closed), and is whole again here.
                 self._take_back(*self._flags)
-            self._flags = death_signal, dumpable = self._prctl_get(_PR_GET_PDEATHSIG), self._prctl(_PR_GET_DUMPABLE)
+            death_signal, dumpable = self._prctl_get(_PR_GET_PDEATHSIG), self._prctl(_PR_GET_DUMPABLE)
+            self._flags = death_signal, dumpable
             collecting = gc.isenabled()
             gc.disable()
             try:
