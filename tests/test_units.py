@@ -28,6 +28,7 @@ from workers import sandbox, workspace
 from workers.cgroups import Cgroups
 from workers.relay import Utf8Cutter, incomplete_tail, output_event
 from workers.shell import signal_name
+from tests.waiting import wait_until
 
 BASE_ENV = {"RUNWARDEN_REDIS_URL": "redis://127.0.0.1:1/0", "RUNWARDEN_JWT_SECRET": "s" * 32}
 
@@ -214,9 +215,7 @@ def test_bwrap_drops_to_the_sandbox_uid_by_thread_setpriv_or_fork(drop: str) -> 
             assert _dumpable()
         finally:
             billiard_util.set_pdeathsig(before[2])
-        deadline = time.monotonic() + 30
-        while not (workspace / "made").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: (workspace / "made").exists(), 30, "the command to have written its output")
         process.kill()  # once its output is written
         code, out, err = sandbox.communicate(process, timeout_s=20)
         assert outside["Uid"].split() == ["65534"] * 4 and outside["Gid"].split() == ["65534"] * 4, outside
