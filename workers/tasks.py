@@ -179,9 +179,8 @@ def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str
         if ran is None or start() is None:  # started here if a failure came before its sandbox
             if start.deaf:
                 # The message is already acked: end the call, or it would stay queued with no exit event.
-                result = {"code": "unavailable", "message": "The call could not run: ConnectionError."}
-                ctx.records.finish(task_id, Status.FAILED, result,
-                                   exit_json=NOT_RUN.exit_event(Status.FAILED, error="unavailable"))
+                status, result, exit_json = _could_not_run(redis.ConnectionError)
+                ctx.records.finish(task_id, status, result, exit_json=exit_json)
             log.info("shell call %s not started: it is %s", task_id, start.status or "unsubscribed")
             return None
         status, result, exit_json = ran
@@ -236,8 +235,8 @@ def _prepare_next(ctx: Runtime, call: dict[str, Any], run_seen: bool, others: in
     without the token's exp (an older API) gets none."""
     if ctx.runner is None or not run_seen or others != 0 or not isinstance(call.get("exp"), int):
         return
-    view = paths.shell_view(tuple(call.get("allowed_paths", ())))
-    key = Key(str(ctx.workspace(call["tenant"], call["run_id"])), bool(call.get("network", False)), view)
+    ws = workspace.run_path(ctx.settings.workspaces, call["tenant"], call["run_id"])  # its call just ran there
+    key = Key(str(ws), bool(call.get("network", False)), _view(call))
     jti = call.get("jti")
     ctx.runner.prepare(Ahead(key, call["tenant"], jti if isinstance(jti, str) else None, float(call["exp"])))
 
@@ -282,10 +281,8 @@ def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
                 pass  # every component is a real directory, none a symlink
         shell = ShellCall(ctx.settings, ctx.redis, ctx.runner, task_id,
                           refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
-        # A message without allowed_paths (from an older API) shows the command nothing, never everything.
-        view = paths.shell_view(tuple(call.get("allowed_paths", ())))
-        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, start, view,
-                            new_run)
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, start,
+                            _view(call), new_run)
         return outcome.status, outcome.result, outcome.exit_event
     except NotStarted:
         return None
@@ -296,8 +293,19 @@ def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
         return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error=exc.code)
     except Exception as exc:  # Redis, the OS or a bug: the call ends as failed, never silently lost
         log.exception("shell call %s could not run", task_id)
-        result = {"code": "unavailable", "message": f"The call could not run: {type(exc).__name__}."}
-        return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error="unavailable")
+        return _could_not_run(type(exc))
+
+
+def _view(call: dict[str, Any]) -> paths.ShellView:
+    """What of the workspace the call's token shows its command. A message without allowed_paths
+    (from an older API) shows it nothing, never everything."""
+    return paths.shell_view(tuple(call.get("allowed_paths", ())))
+
+
+def _could_not_run(cause: type[BaseException]) -> tuple[Status, dict[str, Any], str]:
+    """A shell call that failed before its command could run: its status, result and exit event."""
+    result = {"code": "unavailable", "message": f"The call could not run: {cause.__name__}."}
+    return Status.FAILED, result, NOT_RUN.exit_event(Status.FAILED, error="unavailable")
 
 
 def reap_lost_calls(records: Records, lease_s: int) -> int:
