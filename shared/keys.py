@@ -71,8 +71,15 @@ def done(task_id: str) -> str:
 
 
 def control(task_id: str) -> str:
-    """Pub/sub channel carrying signals and cancels to the worker running the call."""
+    """Pub/sub channel of one call, for a worker that does not record its own (an older version):
+    signals and cancels go to the channel the call's start recorded (`pool_control`), else here."""
     return f"{PREFIX}:ctl:{task_id}"
+
+
+def pool_control(worker: str, pid: int) -> str:
+    """Pub/sub channel of one pool process, subscribed once: the signals and cancels of the shell
+    calls it runs, each message naming its call (`task`)."""
+    return f"{PREFIX}:ctl:pool:{worker}:{pid}"
 
 
 def signals(task_id: str) -> str:

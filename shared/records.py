@@ -47,8 +47,9 @@ end
 
 # KEYS: task, lease, running set; then, for a file task, optionally its file lock and its patch
 # intent, and for a shell task its signal list.
-# ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks), lock ttl ms, and for a
-# patch its proposed intent and the intent's ttl ms.
+# ARGV: worker, now ms, lease ms, task id, reentrant ("1" for file tasks), lock ttl ms, for a
+# patch its proposed intent and the intent's ttl ms, and for a shell call the control channel its
+# pool process listens on (recorded with `running`, so a signal or cancel after it reaches it).
 # A call that may run also gets, in the same round trip, its lock if it names one (file), or the
 # signals sent before it started (shell).
 _START = TAKE_LOCK + """
@@ -69,6 +70,7 @@ redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 if ARGV[5] ~= '1' then
   -- Only shell calls hold a lease: a file call is re-delivered instead, and its write guarded.
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+  if ARGV[9] and ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'control', ARGV[9]) end
   redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 end
 if redis.call('HGET', KEYS[1], 'cancel') then return may_run('cancel') end
@@ -76,11 +78,20 @@ local created = redis.call('HGET', KEYS[1], 'created_ms') or ''  -- for the queu
 return may_run('running:' .. redis.call('HGET', KEYS[1], 'attempts') .. ':' .. created)
 """
 
-# KEYS: the call's signal list. ARGV: signal name, control channel, retention ms.
-_SIGNAL = """
+# Lua: tell the worker running call `id` (task hash `task_key`) of `order`: on the channel its
+# start recorded, else the call's own (an older worker's).
+_TELL = """
+local function tell(task_key, id, fallback, order)
+  order['task'] = id
+  redis.call('PUBLISH', redis.call('HGET', task_key, 'control') or fallback, cjson.encode(order))
+end
+"""
+
+# KEYS: the call's signal list, its task. ARGV: signal name, the call's own channel, retention ms, task id.
+_SIGNAL = _TELL + """
 local n = redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('PUBLISH', ARGV[2], cjson.encode({signal = ARGV[1], n = n}))
+tell(KEYS[2], ARGV[4], ARGV[2], {signal = ARGV[1], n = n})
 return n
 """
 
@@ -191,9 +202,9 @@ return finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARG
 """
 
 # KEYS: task, lease, running set, log, done.
-# ARGV: task id, result, now, ttl, exit event, retention, response code, response body.
-# A queued call is cancelled at once; a running one is flagged and its worker is told.
-_CANCEL = _END + """
+# ARGV: task id, result, now, ttl, exit event, retention, response code, response body, the call's
+# own control channel. A queued call is cancelled at once; a running one is flagged and its worker told.
+_CANCEL = _END + _TELL + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'queued' then
@@ -201,7 +212,10 @@ if status == 'queued' then
                        ARGV[4], ARGV[7], ARGV[8], ARGV[5], ARGV[6], '', 'cancelled')
   return {'cancelled', ended[1], ended[2]}
 end
-if status == 'running' then redis.call('HSET', KEYS[1], 'cancel', '1') end
+if status == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', '1')
+  tell(KEYS[1], ARGV[1], ARGV[9], {cancel = true})
+end
 return status
 """
 
@@ -376,10 +390,10 @@ class Records:
         )
 
     def start(self, task_id: str, worker: str, *, reentrant: bool = False, lock: str | None = None,
-              proposed: bytes = b"", meanwhile: Callable[[], None] | None = None) -> Started:
+              proposed: bytes = b"", meanwhile: Callable[[], None] | None = None, control: str = "") -> Started:
         """queued → running (or, reentrant, running again), taking the file lock `lock` if named and
         recording the `proposed` patch intent with it (see TAKE_LOCK). `meanwhile` runs while the
-        reply is on its way."""
+        reply is on its way. `control`: the channel a shell call's pool process listens on."""
         if reentrant:  # a file call, with its lock if it names one
             extra = [lock, keys.patch_intent(task_id)] if lock else []
         else:  # a shell call, with the signals sent before it started
@@ -387,7 +401,7 @@ class Records:
         script_keys = self._keys(task_id)[:3] + extra
         started_ms = now_ms()
         args = [worker, started_ms, self.lease_ms, task_id, "1" if reentrant else "0", LOCK_TTL_MS, proposed,
-                self.ttl_ms]
+                self.ttl_ms, control]
         if meanwhile is None:
             reply = self._start(keys=script_keys, args=args)
         else:
@@ -405,7 +419,8 @@ class Records:
     def send_signal(self, task_id: str, name: str) -> None:
         """Keep the signal for a worker not yet listening, and tell one that is (with the signal's
         place in the list, so a worker that already read it from there does not send it twice)."""
-        self._signal(keys=[keys.signals(task_id)], args=[name, keys.control(task_id), self.retention_ms])
+        self._signal(keys=[keys.signals(task_id), keys.task(task_id)],
+                     args=[name, keys.control(task_id), self.retention_ms, task_id])
 
     def refresh_lease(self, task_id: str, worker: str) -> None:
         self.client.set(keys.lease(task_id), worker, px=self.lease_ms)
@@ -439,12 +454,13 @@ class Records:
 
     def cancel(self, view: TaskView) -> str:
         """Cancel a queued call at once (a shell stream gets its exit event; a file call's retry
-        replays the cancelled record), or flag a running one; returns the status found."""
+        replays the cancelled record), or flag a running one and tell its worker (which ends it:
+        SIGTERM, then SIGKILL); returns the status found."""
         ended_ms = now_ms()
         found = self._cancel(
             keys=self._keys(view.task_id),
-            args=self._never_ran(view, Status.CANCELLED, Termination.CANCELLED, ended_ms,
-                                 "cancelled", "Cancelled before it started."),
+            args=[*self._never_ran(view, Status.CANCELLED, Termination.CANCELLED, ended_ms,
+                                   "cancelled", "Cancelled before it started."), keys.control(view.task_id)],
         )
         if isinstance(found, list):  # this cancel ended the queued call
             _counted(found[1:], Status.CANCELLED.value, ended_ms)

@@ -16,10 +16,11 @@ from typing import Iterator
 import pytest
 import redis
 
-from shared.keys import signals, task_id_for
+from shared.keys import control, signals, task_id_for
+from shared.records import Records
 from workers.sandbox import RUNTIME_DIR
 from runwarden import devstack
-from workers.tasks import ShellStart, subscribe_control
+from workers.tasks import ShellStart, listen_for_orders
 from tests.streams import collect, connect, watch
 from tests.waiting import wait_until
 
@@ -327,7 +328,7 @@ def test_sandbox_sees_no_host_paths_in_its_init_cmdline(agent) -> None:
 
 
 def test_a_call_that_cannot_listen_to_its_control_channel_is_not_started() -> None:
-    """The start subscribes first, so a cancel that sees `running` reaches the call; a control
+    """The start listens first, so a cancel that sees `running` reaches the call; a control
     connection that cannot subscribe (Redis gone) leaves the call unstarted, for the task to end."""
     class Records:
         def start(self, *args: object, **kwargs: object) -> None:
@@ -335,25 +336,31 @@ def test_a_call_that_cannot_listen_to_its_control_channel_is_not_started() -> No
 
     unreachable = redis.Redis(port=devstack.free_port(), socket_connect_timeout=5).pubsub()
     ctx = type("Ctx", (), {"records": Records(), "name": "w"})()
-    start = ShellStart(ctx, "a-task", "execute_shell_command", unreachable)  # type: ignore[arg-type]
+    start = ShellStart(ctx, "a-task", "execute_shell_command", unreachable, "rw:ctl:pool:test")  # type: ignore[arg-type]
     assert start() is None and start.deaf
     assert start() is None  # asked again (after the sandbox said no): still not started
 
 
-def test_control_connection_forgets_each_calls_channel(stack) -> None:
-    """A pool process subscribes its one control connection to a channel per call; reading the
-    confirmations must let redis-py drop those channels, or a worker grows with every call."""
-    control = redis.Redis.from_url(stack.redis_url).pubsub()
+def test_a_pool_process_listens_on_one_channel_confirmed_before_its_call_starts(stack) -> None:
+    """Subscribed once, not once per call, and confirmed by Redis before the call is started: a
+    cancel published as soon as the start has recorded the channel finds a listener. A connection
+    Redis dropped is replaced by the next call."""
+    client = redis.Redis.from_url(stack.redis_url)
+    name = f"test-control-{uuid.uuid4().hex[:8]}"
+    control = redis.Redis.from_url(stack.redis_url, client_name=name).pubsub()
+    channel = f"rw:ctl:pool:{name}"
     try:
-        for n in range(200):
-            subscribe_control(control, f"rw:control:test-{n}")
-            control.unsubscribe(f"rw:control:test-{n}")
-
-        def forgotten() -> bool:  # as the next call would: only the last channel may still be confirming
-            subscribe_control(control, "rw:control:test-last")
-            control.unsubscribe("rw:control:test-last")
-            return len(control.channels) <= 1 and len(control.pending_unsubscribe_channels) <= 1
-        wait_until(forgotten, 30, "redis-py to forget the channels")
+        listen_for_orders(control, channel)
+        assert client.publish(channel, "order") == 1  # no wait: the subscription is in effect
+        for _ in range(50):  # the calls after it: the same subscription, earlier orders dropped
+            listen_for_orders(control, channel)
+        assert control.get_message(timeout=0) is None
+        assert list(control.channels) == [channel.encode()]
+        assert [c["sub"] for c in client.client_list() if c["name"] == name] == ["1"]  # one connection, one channel
+        assert client.client_kill_filter(_id=next(c["id"] for c in client.client_list() if c["name"] == name)) == 1
+        wait_until(lambda: client.publish(channel, "order") == 0, 30, "Redis to drop the subscription")
+        listen_for_orders(control, channel)
+        assert client.publish(channel, "order") == 1
     finally:
         control.close()
 
@@ -441,3 +448,35 @@ def test_a_second_delivery_of_a_running_shell_call_does_not_run_it_again(agent) 
     done = wait_until(lambda: (view := agent.get(task_id).json())["status"] == "completed" and view, 60,
                       "the call to end")
     assert done["result"]["stdout"] == "ran\n", done["result"]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["its-pool-process", "an-older-worker"])
+def test_orders_go_to_the_channel_the_start_recorded_else_the_calls_own(stack, recorded: bool) -> None:
+    """A started call's signals and cancel reach the channel its pool process listens on (recorded
+    by its start), each naming the call; a call started by an older worker, which records none,
+    gets them on its own channel, as before."""
+    from tests.test_lost_messages import dispatched_call
+
+    client = redis.Redis.from_url(stack.redis_url)
+    records = Records(client, ttl_s=60, retention_s=60, lease_s=60)
+    _, _, task_id = dispatched_call(client, "execute_shell_command", f"q-{uuid.uuid4().hex[:8]}")
+    pool_channel = f"rw:ctl:pool:test-{uuid.uuid4().hex[:8]}"
+    listener = client.pubsub()
+    listener.subscribe(pool_channel, control(task_id))
+    wait_until(lambda: client.publish(pool_channel, "-") == 1 and client.publish(control(task_id), "-") == 1, 30,
+               "the test's subscriptions")
+    assert records.start(task_id, "w", control=pool_channel if recorded else "").status == "running"
+    records.send_signal(task_id, "SIGINT")
+    assert records.cancel(records.get(task_id)) == "running"
+    orders: list[tuple[bytes, dict]] = []
+
+    def both_heard() -> bool:
+        while (message := listener.get_message(timeout=0)) is not None:
+            if message["type"] == "message" and message["data"] != b"-":
+                orders.append((message["channel"], json.loads(message["data"])))
+        return len(orders) == 2
+    wait_until(both_heard, 30, "the signal and the cancel")
+    expected = (pool_channel if recorded else control(task_id)).encode()
+    assert orders == [(expected, {"signal": "SIGINT", "n": 1, "task": task_id}),
+                      (expected, {"cancel": True, "task": task_id})]
+    listener.close()

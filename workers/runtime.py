@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from shared import connections
+from shared import connections, keys
 from shared.records import Records
 from shared.settings import Settings
 from workers import workspace
@@ -70,11 +70,16 @@ class Runtime:
     runner: Runner | None
     sandbox_error: str | None
     sandbox_owner: int | None
-    control: redis.client.PubSub  # one connection per process, a channel per call
+    control: redis.client.PubSub  # one connection per process, subscribed to its one channel
     holds: Holds  # test mode only; off in production
     patch_sets: PatchSets = field(init=False)
     name: str = WORKER_NAME
     pid: int = field(default_factory=os.getpid)
+
+    @property
+    def control_channel(self) -> str:
+        """Where this pool process hears the signals and cancels of the shell calls it runs."""
+        return keys.pool_control(self.name, self.pid)
 
     @classmethod
     def build(cls, host: Host) -> "Runtime":

@@ -83,12 +83,13 @@ class ShellCall:
         self.publisher = Publisher(client, task_id, settings.stream_retention_s)
 
     def run(self, command: str, workspace: Path, cwd: str, network: bool, timeout_ms: int,
-            control: redis.client.PubSub, start: Callable[[], tuple[str, ...] | None],
+            control: redis.client.PubSub, channel: str, start: Callable[[], tuple[str, ...] | None],
             view: ShellView = WHOLE_WORKSPACE, new_run: bool = False) -> Outcome:
-        """`start`: the call's start, made once, while its sandbox is set up: the signals clients
-        sent before it, in order, or None if the call is not to run (NotStarted is raised then);
-        `view`: what of the workspace the token's allowed_paths show the command; `new_run`: its
-        workspace was made by this call (Runner.spawn)."""
+        """`control`: the pool process's control connection, listening on `channel` once the call
+        has started; `start`: the call's start, made once, while its sandbox is set up: the signals
+        clients sent before it, in order, or None if the call is not to run (NotStarted is raised
+        then); `view`: what of the workspace the token's allowed_paths show the command;
+        `new_run`: its workspace was made by this call (Runner.spawn)."""
         started = time.monotonic()
         process = self.runner.spawn(command, workspace, cwd, network, view, go=lambda: start() is not None,
                                     new_run=new_run)
@@ -99,7 +100,7 @@ class ShellCall:
             process.stderr: StreamCopy("stderr", self.settings.http_output_bytes),
         }
         try:
-            self._pump(run, control)
+            self._pump(run, control, channel)
         finally:
             process.kill()  # whatever is left of the tree; the PID namespace takes the rest
             process.wait()
@@ -107,13 +108,13 @@ class ShellCall:
             process.close()
         return self._outcome(run, started, usage)
 
-    def _pump(self, run: _Run, control: redis.client.PubSub) -> None:
+    def _pump(self, run: _Run, control: redis.client.PubSub, channel: str) -> None:
         selector = selectors.DefaultSelector()
         for fd in run.streams:
             os.set_blocking(fd, False)
             _grow_pipe(fd)
             selector.register(fd, selectors.EVENT_READ)
-        control_fd = self._listen(run, control, selector, None)
+        control_fd = self._listen(run, control, channel, selector, None)
         next_lease = time.monotonic() + self.settings.lease_s / 3
         open_pipes = set(run.streams)
         while open_pipes:
@@ -123,7 +124,7 @@ class ShellCall:
             wake = min(run.deadline, next_lease, run.kill_at or float("inf"), now + poll_s)
             for key, _ in selector.select(max(0.0, wake - now)):
                 if key.fd == control_fd:
-                    control_fd = self._listen(run, control, selector, control_fd)
+                    control_fd = self._listen(run, control, channel, selector, control_fd)
                 elif not self._drain_pipe(run, key.fd):
                     selector.unregister(key.fd)
                     open_pipes.discard(key.fd)
@@ -183,18 +184,17 @@ class ShellCall:
             copy.take(piece)
             self.publisher.add(copy.name, piece)
 
-    def _read_control(self, run: _Run, control: redis.client.PubSub) -> None:
-        channel = keys.control(self.task_id).encode()
-        # Confirmations are read too (get_message returns None for one it is told to ignore, which
-        # would end this loop early): each one read lets redis-py forget a channel; unread, the
-        # PubSub object kept every call's channel name, ~0.2 KiB a call.
+    def _read_control(self, run: _Run, control: redis.client.PubSub, channel: str) -> None:
+        listened = channel.encode()
         while (message := control.get_message(timeout=0)) is not None:
-            if message.get("type") != "message" or message.get("channel") != channel:
-                continue  # a late message for an earlier call of this process
+            if message.get("type") != "message" or message.get("channel") != listened:
+                continue
             try:
                 order = json.loads(message["data"])
             except (TypeError, ValueError):
                 continue
+            if not isinstance(order, dict) or order.get("task") != self.task_id:
+                continue  # a late order for an earlier call of this process
             if order.get("cancel"):
                 run.cancelled = True
                 self._terminate(run)
@@ -237,20 +237,20 @@ class ShellCall:
                 run.process.signal(signum)
             run.pending.clear()
 
-    def _listen(self, run: _Run, control: redis.client.PubSub, selector: selectors.BaseSelector,
+    def _listen(self, run: _Run, control: redis.client.PubSub, channel: str, selector: selectors.BaseSelector,
                 fd: int | None) -> int:
         """Act on what the control connection (watched as `fd`, if yet) holds. If Redis dropped it
         (a restart, a failover, an idle timeout), listen on a new one, and honour a cancel flagged
         while none was listening. Returns the fd to watch."""
         try:
-            self._read_control(run, control)
+            self._read_control(run, control, channel)
             if fd is not None:
                 return fd
         except redis.ConnectionError:
             if fd is not None:
                 selector.unregister(fd)
             control.reset()
-            control.subscribe(keys.control(self.task_id))
+            control.subscribe(channel)
             if not run.cancelled and self.client.hexists(keys.task(self.task_id), "cancel"):
                 run.cancelled = True
                 self._terminate(run)

@@ -31,6 +31,7 @@ from workers.shell import ShellCall
 
 log = logging.getLogger("runwarden.tasks")
 MAX_FILE_ATTEMPTS = 3
+SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms at once; a connection that does not is given up
 
 
 class RunwardenTask(Task):
@@ -171,41 +172,38 @@ def apply_file_patches(self: RunwardenTask, call: dict[str, Any]) -> dict[str, A
 def execute_shell_command(self: RunwardenTask, call: dict[str, Any]) -> dict[str, Any] | None:
     """At most once: acked on receipt; a second delivery finds the call no longer queued and stops."""
     ctx, task_id = self.ctx, self.request.id
-    control = ctx.control
-    try:
-        start = ShellStart(ctx, task_id, call["tool_name"], control)
-        run_seen = ctx.has_workspace(call["tenant"], call["run_id"])  # before this call makes it
-        ran = _run_shell(ctx, task_id, call, control, start, new_run=not run_seen)
-        if ran is None or start() is None:  # started here if a failure came before its sandbox
-            if start.deaf:
-                # The message is already acked: end the call, or it would stay queued with no exit event.
-                status, result, exit_json = _could_not_run(redis.ConnectionError)
-                ctx.records.finish(task_id, status, result, exit_json=exit_json)
-            log.info("shell call %s not started: it is %s", task_id, start.status or "unsubscribed")
-            return None
-        status, result, exit_json = ran
-        others = ctx.records.finish(task_id, status, result, exit_json=exit_json)
-        if status is not Status.FAILED:
-            _prepare_next(ctx, call, run_seen, others)
-        metrics.output_relayed(result)
-        count_output(ctx.redis, call["tenant"], result)
-        if ctx.runner is not None:
-            ctx.runner.after_call()
-        return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
-    finally:
-        with suppress(redis.ConnectionError):  # a lost connection is replaced by the next call
-            control.unsubscribe(keys.control(task_id))
+    start = ShellStart(ctx, task_id, call["tool_name"], ctx.control, ctx.control_channel)
+    run_seen = ctx.has_workspace(call["tenant"], call["run_id"])  # before this call makes it
+    ran = _run_shell(ctx, task_id, call, start, new_run=not run_seen)
+    if ran is None or start() is None:  # started here if a failure came before its sandbox
+        if start.deaf:
+            # The message is already acked: end the call, or it would stay queued with no exit event.
+            status, result, exit_json = _could_not_run(redis.ConnectionError)
+            ctx.records.finish(task_id, status, result, exit_json=exit_json)
+        log.info("shell call %s not started: it is %s", task_id, start.status or "unsubscribed")
+        return None
+    status, result, exit_json = ran
+    others = ctx.records.finish(task_id, status, result, exit_json=exit_json)
+    if status is not Status.FAILED:
+        _prepare_next(ctx, call, run_seen, others)
+    metrics.output_relayed(result)
+    count_output(ctx.redis, call["tenant"], result)
+    if ctx.runner is not None:
+        ctx.runner.after_call()
+    return {"status": status.value, "exit_code": result.get("exit_code"), "error": result.get("code")}
 
 
 class ShellStart:
     """A shell call's start (queued → running), made once: by its runner while the sandbox is set
     up (so its round trips overlap bwrap's work), or by the task after a failure that came first.
-    It subscribes to the call's control channel first, so a cancel that sees `running` reaches the
-    call. Called: the signals sent before the call started, or None if it may not start (`deaf`:
-    the subscription failed, and the call was not started)."""
+    The pool process listens on its control `channel` first (listen_for_orders), and the start
+    records that channel, so a cancel or signal that sees `running` reaches the call. Called: the
+    signals sent before the call started, or None if it may not start (`deaf`: the process could
+    not listen, and the call was not started)."""
 
-    def __init__(self, ctx: Runtime, task_id: str, tool_name: str, control: Any) -> None:
-        self.ctx, self.task_id, self.tool_name, self.control = ctx, task_id, tool_name, control
+    def __init__(self, ctx: Runtime, task_id: str, tool_name: str, control: Any, channel: str) -> None:
+        self.ctx, self.task_id, self.tool_name = ctx, task_id, tool_name
+        self.control, self.channel = control, channel
         self.status = ""
         self.deaf = False
         self.signals: tuple[str, ...] = ()
@@ -213,12 +211,12 @@ class ShellStart:
     def __call__(self) -> tuple[str, ...] | None:
         if not self.status and not self.deaf:
             try:
-                subscribe_control(self.control, keys.control(self.task_id))
+                listen_for_orders(self.control, self.channel)
             except redis.ConnectionError:
-                log.exception("shell call %s could not subscribe to its control channel", self.task_id)
+                log.exception("shell call %s: its pool process cannot listen on its control channel", self.task_id)
                 self.deaf = True
                 return None
-            started = self.ctx.records.start(self.task_id, self.ctx.name)
+            started = self.ctx.records.start(self.task_id, self.ctx.name, control=self.channel)
             self.status, self.signals = started.status, started.signals
             if started.status == "running":
                 metrics.call_started(self.tool_name, started.queue_wait_s)
@@ -253,22 +251,34 @@ def count_output(client: redis.Redis, tenant: str, result: dict[str, Any]) -> No
         pipe.execute()
 
 
-def subscribe_control(control: Any, channel: str) -> None:
-    """Subscribe this process's control connection to a call's channel, first reading what earlier
-    calls left on it: reading the unsubscribe confirmations is what makes redis-py forget those
-    channels (unread, it kept one a call). A connection Redis dropped since (a restart, a failover,
-    an idle timeout) is replaced."""
+def listen_for_orders(control: Any, channel: str) -> None:
+    """Have this pool process's control connection listen on its channel, which it does from its
+    first shell call on (one subscription, not one per call), dropping what earlier calls left
+    unread. A connection Redis dropped since (a restart, a failover, an idle timeout) is replaced.
+    A new subscription is confirmed before the call is started: a cancel published once the start
+    has recorded the channel then finds the process listening."""
     try:
         while control.get_message(timeout=0) is not None:
             pass
-        control.subscribe(channel)
     except redis.ConnectionError:
         control.reset()
+    if control.subscribed:
+        return
+    try:
         control.subscribe(channel)
+        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            message = control.get_message(timeout=left)
+            if message is not None and message.get("type") == "subscribe":
+                return
+        raise redis.ConnectionError("Redis did not confirm the control channel's subscription")
+    except redis.ConnectionError:
+        control.reset()  # the next call tries again, on a new connection
+        raise
 
 
-def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
-               start: ShellStart, new_run: bool) -> tuple[Status, Any, str] | None:
+def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], start: ShellStart,
+               new_run: bool) -> tuple[Status, Any, str] | None:
     """The call's outcome, or None if its start said it may not run (nothing of it ran)."""
     p = call["parameters"]
     try:
@@ -281,8 +291,8 @@ def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], control: Any,
                 pass  # every component is a real directory, none a symlink
         shell = ShellCall(ctx.settings, ctx.redis, ctx.runner, task_id,
                           refresh_lease=lambda: ctx.records.refresh_lease(task_id, ctx.name))
-        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], control, start,
-                            _view(call), new_run)
+        outcome = shell.run(p["command"], ws, cwd, call.get("network", False), p["timeout_ms"], start.control,
+                            start.channel, start, _view(call), new_run)
         return outcome.status, outcome.result, outcome.exit_event
     except NotStarted:
         return None

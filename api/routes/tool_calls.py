@@ -1,7 +1,6 @@
 """POST, GET and DELETE of tool calls."""
 from __future__ import annotations
 
-import json
 import time
 
 from flask import Blueprint, Response, g, request
@@ -95,10 +94,7 @@ def show(task_id: str) -> Response:
 def request_cancel(rt: Runtime, view: TaskView) -> str:
     """Cancel a call: a queued one never starts, a running one's worker is told to end it (SIGTERM,
     then SIGKILL). Returns the status found."""
-    found = rt.records.cancel(view)
-    if found == "running":
-        rt.redis.publish(keys.control(view.task_id), json.dumps({"cancel": True}))
-    return found
+    return rt.records.cancel(view)
 
 
 @bp.delete("/v1/tool-calls/<task_id>")
