@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -30,11 +31,11 @@ from shared.paths import WHOLE_WORKSPACE
 from shared.settings import Settings
 from tests.archives import Operator, file, tar
 from tests.conftest import StackInfo, start_stack
-from tests.sandboxes import ask, counts, host_processes_with, key_of, prepared_for, ready_after_calls, wait_ready
+from tests.sandboxes import ask, counts, host_processes_with, keeper, key_of, prepared_for, ready_after_calls, wait_ready
 from tests.streams import collect, connect
 from tests.waiting import run, wait_until
 from workers.sandbox.base import Ahead, Key
-from workers.sandbox.prepared import KeeperClient
+from workers.sandbox.prepared import KeeperClient, offer_name
 
 
 def prepared(agent) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -119,6 +120,27 @@ def test_a_sandbox_prepared_for_one_grant_never_serves_another(make_agent, stack
     assert after["stdout"].startswith("the run's secret\n") and after["stdout"].endswith("OPEN\n"), after
 
 
+def test_the_keeper_is_asked_only_for_a_workspace_it_marks(make_agent, stack) -> None:
+    """While a sandbox waits for a run's next call, its workspace is marked beside the keeper's
+    socket; a call whose workspace is not marked starts cold without asking (no claim, no miss)."""
+    agent = make_agent()
+    mark = keeper(stack).offers / offer_name(str(agent.workspace))
+    prepared(agent)
+    assert mark.exists() and stat.S_IMODE(mark.parent.stat().st_mode) == 0o700
+    ask(stack, {"op": "pause", "on": True})  # kills what is prepared, and prepares nothing
+    try:
+        assert not mark.exists()
+        hits, misses = counts(stack, str(agent.workspace))
+        assert run(agent, "echo cold")["stdout"] == "cold\n"
+        assert counts(stack, str(agent.workspace)) == (hits, misses)  # the keeper was not asked
+    finally:
+        ask(stack, {"op": "pause", "on": False})
+    prepared(agent)
+    hits = counts(stack, str(agent.workspace))[0]
+    assert run(agent, "echo warm")["stdout"] == "warm\n"
+    assert counts(stack, str(agent.workspace))[0] == hits + 1
+
+
 # --- no longer than it may ----------------------------------------------------------------------------
 
 def test_a_prepared_sandbox_that_died_is_not_used(make_agent, stack) -> None:
@@ -126,10 +148,10 @@ def test_a_prepared_sandbox_that_died_is_not_used(make_agent, stack) -> None:
     child = prepared(agent)["child"]
     os.kill(child, signal.SIGKILL)
     wait_until(lambda: gone(child), 30, "the prepared sandbox's init to die")
-    hits, misses = counts(stack, str(agent.workspace))
+    hits = counts(stack, str(agent.workspace))[0]
     result = run(agent, "echo fine")
     assert result["stdout"] == "fine\n" and result["exit_code"] == 0, result
-    assert counts(stack, str(agent.workspace)) == (hits, misses + 1)  # it started cold
+    assert counts(stack, str(agent.workspace))[0] == hits  # it started cold
 
 
 def test_a_replaced_or_deleted_workspace_is_never_served_by_a_sandbox_prepared_before(make_agent, stack) -> None:
@@ -234,8 +256,8 @@ def test_nothing_is_prepared_after_a_runs_first_call_nor_while_another_of_its_ca
     for task_id in (first_id, second.json()["task_id"]):
         wait_until(lambda: busy.get(task_id).json()["status"] == "completed", 60, "the calls to end")
     # The first took the prepared sandbox; when it ended the second was queued, so nothing was
-    # prepared for it, and it started cold.
-    assert counts(lone, str(busy.workspace)) == (hits + 1, misses + 1)
+    # prepared for it, and it started cold, without asking the keeper (nothing was marked).
+    assert counts(lone, str(busy.workspace)) == (hits + 1, misses)
 
 
 # --- the keeper: reachable by no sandbox, and only by its worker -----------------------------------------

@@ -7,7 +7,9 @@ get (workers/sandbox/bwrap.py: same argv, uid, limits, /etc, view of the workspa
 of its own, and leaves its shell blocked reading its command from its stdin. The call that comes
 next claims it with its key (workspace, network, view); the keeper checks the sandbox is alive and
 that the workspace and each path it binds are still the ones at their paths, and hands over its
-pipes and a pidfd of its init (workers/sandbox/prepared.py). Nothing is handed twice.
+pipes and a pidfd of its init (workers/sandbox/prepared.py). Nothing is handed twice. While it
+holds a sandbox for a workspace, the workspace is marked beside the socket (`Offers`), so that a
+call with none to take starts cold without asking.
 
 Bounded: one sandbox per key, at most `RUNWARDEN_PREPARED_SANDBOXES` in all (the least recently
 prepared makes room), each killed after `RUNWARDEN_PREPARED_IDLE` seconds unclaimed, at its token's
@@ -36,6 +38,7 @@ import logging
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,7 +61,7 @@ from workers.cgroups import CallGroup, Cgroups, charged_bytes, group_name, remov
 from workers.sandbox.base import Ahead, Key, kill_tree, let_commands_start_with_default_signals
 from workers.sandbox.build import build_runner
 from workers.sandbox.bwrap import BwrapRunner, Launched, _close, _open_view
-from workers.sandbox.prepared import MAX_MESSAGE, peer_uid
+from workers.sandbox.prepared import MAX_MESSAGE, offer_name, offers_dir, peer_uid
 
 log = logging.getLogger("runwarden.keeper")
 
@@ -156,9 +159,34 @@ class Slots:
             remove_now(group)
 
 
+class Offers:
+    """The workspaces the keeper holds a sandbox for, marked for the pool processes (prepared.offers_dir)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        shutil.rmtree(directory, ignore_errors=True)  # an earlier keeper's marks
+        directory.mkdir(mode=0o700)
+        self.counts: collections.Counter[str] = collections.Counter()  # keys held per workspace
+
+    def add(self, workspace: str) -> None:
+        self.counts[workspace] += 1
+        if self.counts[workspace] == 1:
+            (self.directory / offer_name(workspace)).touch()
+
+    def remove(self, workspace: str) -> None:
+        self.counts[workspace] -= 1
+        if self.counts[workspace] <= 0:
+            del self.counts[workspace]
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / offer_name(workspace)).unlink()
+
+    def remove_all(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class Keeper:
     def __init__(self, settings: Settings, runner: BwrapRunner, listener: socket.socket,
-                 client: redis.Redis | None, parent_fd: int | None = None) -> None:
+                 client: redis.Redis | None, parent_fd: int | None = None, offers: Offers | None = None) -> None:
         self.limit, self.idle_s = settings.prepared_sandboxes, settings.prepared_idle_s
         self.runner, self.listener, self.redis = runner, listener, client
         self.selector = selectors.DefaultSelector()
@@ -167,7 +195,8 @@ class Keeper:
             self.selector.register(parent_fd, selectors.EVENT_READ, ("parent", None))
         self.ids = itertools.count(1)
         self.held: dict[int, Held] = {}  # every sandbox not reaped and freed yet
-        self.ready: dict[Key, Held] = {}  # starting or ready, not claimed: one per key
+        self.ready: dict[Key, Held] = {}  # starting or ready, not claimed: one per key (see _offer)
+        self.offers = offers
         self.owned: dict[socket.socket, set[int]] = {}
         self.slots = Slots(runner.cgroups)
         self.revoked: frozenset[str] = frozenset()
@@ -336,7 +365,7 @@ class Keeper:
             _close(*(fd for _, fd in binds or ()))
         held = Held(next(self.ids), ahead, launched, group, meter, found, os.pidfd_open(launched.popen.pid))
         self.held[held.id] = held
-        self.ready[key] = held
+        self._offer(held)
         os.set_blocking(launched.status, False)
         self.selector.register(launched.status, selectors.EVENT_READ, ("status", held))
         self.selector.register(held.bwrap_pidfd, selectors.EVENT_READ, ("exit", held))
@@ -384,7 +413,7 @@ class Keeper:
         """Its pipes, its status, its init's pidfd and its meter, to the pool process that claimed
         it; the keeper keeps only what it needs to kill and reap it. Single use: it leaves `ready`
         first, and a hand-over that fails kills it."""
-        del self.ready[held.key]
+        self._withdraw(held)
         assert held.child is not None and held.pidfd is not None
         launched = held.launched
         assert launched.popen.stdout is not None and launched.popen.stderr is not None
@@ -418,7 +447,7 @@ class Keeper:
         """Kill a sandbox that will serve no call; its group goes back once bwrap is reaped."""
         log.debug("keeper: prepared sandbox %d dropped: %s", held.id, why)
         if self.ready.get(held.key) is held:
-            del self.ready[held.key]
+            self._withdraw(held)
         for conn, _ in held.waiters:
             self._answer(conn, {"ok": False})
         held.waiters = []
@@ -432,6 +461,16 @@ class Keeper:
         held.launched.abort()
         if held.reaped:
             self._free(held)
+
+    def _offer(self, held: Held) -> None:
+        self.ready[held.key] = held
+        if self.offers is not None:
+            self.offers.add(held.key.workspace)
+
+    def _withdraw(self, held: Held) -> None:
+        del self.ready[held.key]
+        if self.offers is not None:
+            self.offers.remove(held.key.workspace)
 
     def _kill(self, held: Held) -> None:
         if held.pidfd is not None:
@@ -523,6 +562,8 @@ class Keeper:
             if held.group is not None:
                 remove_now(held.group)
         self.slots.remove_all()
+        if self.offers is not None:
+            self.offers.remove_all()
 
 
 def _parent_of(pid: int) -> int | None:
@@ -562,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("keeper: RUNWARDEN_SANDBOX is not bwrap: nothing to prepare")
         return 2
     listener = listen(args.socket)
-    keeper = Keeper(settings, runner, listener, connections.connect(settings, socket_timeout=5), args.parent_fd)
+    keeper = Keeper(settings, runner, listener, connections.connect(settings, socket_timeout=5), args.parent_fd,
+                    Offers(offers_dir(args.socket)))
 
     def stop(signum: int, _frame: object) -> None:
         keeper.running = False

@@ -11,6 +11,7 @@ sandbox's lease: should the pool process die, the keeper sees the connection clo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -48,6 +49,19 @@ def keeper_socket(settings: Settings, worker_pid: int) -> Path:
     namespace, and every abstract socket in it."""
     name = f"{socket.gethostname()}-{worker_pid}.sock"
     return runtime_dir(settings) / "keeper" / name
+
+
+def offers_dir(socket_path: Path) -> Path:
+    """Where the keeper listening on `socket_path` marks each workspace it holds a sandbox for
+    (starting or ready), with an empty file named by `offer_name`, beside its socket in the same
+    0700 directory. A pool process asks the keeper only for a workspace marked there: a stat,
+    where a claim is a round trip through the keeper's socket and loop (~0.4 ms of CPU for the two
+    processes, under load), and most calls of a busy run find nothing (none is prepared for them)."""
+    return socket_path.with_name(socket_path.stem + ".offers")
+
+
+def offer_name(workspace: str) -> str:
+    return hashlib.sha256(workspace.encode()).hexdigest()[:32]
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -178,6 +192,7 @@ class KeeperClient:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.offers = offers_dir(path)
         self._sock: socket.socket | None = None
         self._pid = 0
         self._retry_at = 0.0
@@ -234,7 +249,13 @@ class KeeperClient:
             self._drop()
             return None
 
+    def may_have(self, workspace: str) -> bool:
+        """Whether the keeper marks a sandbox for `workspace` (offers_dir): only then is it asked."""
+        return os.path.exists(self.offers / offer_name(workspace))
+
     def claim(self, key: Key) -> HandedProcess | None:
+        if not self.may_have(key.workspace):
+            return None
         answer = self.request({"op": "claim", "key": key.wire()})
         if answer is None:
             return None
