@@ -20,7 +20,8 @@ from shared.keys import control, signals, task_id_for
 from shared.records import Records
 from workers.sandbox import RUNTIME_DIR
 from runwarden import devstack
-from workers.tasks import ShellStart, listen_for_orders
+from workers.shell import listen_for_orders
+from workers.tasks import ShellStart
 from tests.streams import collect, connect, watch
 from tests.waiting import wait_until
 

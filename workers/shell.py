@@ -29,6 +29,7 @@ READS_PER_FLUSH = 8
 PIPE_BYTES = 1024 * 1024
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 POLL_S = 0.2
+SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms at once; a connection that does not is given up
 SIGNAL_RETRY_S = 0.002  # while a signal waits for the command to exist (bwrap's set-up: ~5 ms)
 # A buffer per thread, read into and copied out of: os.read would allocate 128 KiB and shrink it on
 # every read, which fragmented the pool process's heap (its RSS crept up in ~1 MiB steps).
@@ -250,7 +251,7 @@ class ShellCall:
             if fd is not None:
                 selector.unregister(fd)
             control.reset()
-            control.subscribe(channel)
+            listen_for_orders(control, channel)
             if not run.cancelled and self.client.hexists(keys.task(self.task_id), "cancel"):
                 run.cancelled = True
                 self._terminate(run)
@@ -280,6 +281,32 @@ class ShellCall:
         status = Status.CANCELLED if run.cancelled else Status.COMPLETED
         result = {**end.fields(), **stdout.result_fields(), **stderr.result_fields()}
         return Outcome(status, result, end.exit_event(status))
+
+
+def listen_for_orders(control: Any, channel: str) -> None:
+    """Have this pool process's control connection listen on its channel, which it does from its
+    first shell call on (one subscription, not one per call), dropping what earlier calls left
+    unread. A connection Redis dropped since (a restart, a failover, an idle timeout) is replaced.
+    A new subscription is confirmed before the call is started: a cancel published once the start
+    has recorded the channel then finds the process listening."""
+    try:
+        while control.get_message(timeout=0) is not None:
+            pass
+    except redis.ConnectionError:
+        control.reset()
+    if control.subscribed:
+        return
+    try:
+        control.subscribe(channel)
+        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            message = control.get_message(timeout=left)
+            if message is not None and message.get("type") == "subscribe":
+                return
+        raise redis.ConnectionError("Redis did not confirm the control channel's subscription")
+    except redis.ConnectionError:
+        control.reset()  # the next call tries again, on a new connection
+        raise
 
 
 def _grow_pipe(fd: int) -> None:

@@ -27,11 +27,10 @@ from workers import metrics, runtime, workspace
 from workers.files import Prepared, read_file as read_file_tool
 from workers.runtime import Runtime
 from workers.sandbox import Ahead, Key, NotStarted
-from workers.shell import ShellCall
+from workers.shell import ShellCall, listen_for_orders
 
 log = logging.getLogger("runwarden.tasks")
 MAX_FILE_ATTEMPTS = 3
-SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms at once; a connection that does not is given up
 
 
 class RunwardenTask(Task):
@@ -249,32 +248,6 @@ def count_output(client: redis.Redis, tenant: str, result: dict[str, Any]) -> No
         pipe.incrby(key, total)
         pipe.expire(key, 7200)
         pipe.execute()
-
-
-def listen_for_orders(control: Any, channel: str) -> None:
-    """Have this pool process's control connection listen on its channel, which it does from its
-    first shell call on (one subscription, not one per call), dropping what earlier calls left
-    unread. A connection Redis dropped since (a restart, a failover, an idle timeout) is replaced.
-    A new subscription is confirmed before the call is started: a cancel published once the start
-    has recorded the channel then finds the process listening."""
-    try:
-        while control.get_message(timeout=0) is not None:
-            pass
-    except redis.ConnectionError:
-        control.reset()
-    if control.subscribed:
-        return
-    try:
-        control.subscribe(channel)
-        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT_S
-        while (left := deadline - time.monotonic()) > 0:
-            message = control.get_message(timeout=left)
-            if message is not None and message.get("type") == "subscribe":
-                return
-        raise redis.ConnectionError("Redis did not confirm the control channel's subscription")
-    except redis.ConnectionError:
-        control.reset()  # the next call tries again, on a new connection
-        raise
 
 
 def _run_shell(ctx: Runtime, task_id: str, call: dict[str, Any], start: ShellStart,

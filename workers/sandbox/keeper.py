@@ -186,7 +186,7 @@ class Offers:
 
 class Keeper:
     def __init__(self, settings: Settings, runner: BwrapRunner, listener: socket.socket,
-                 client: redis.Redis | None, parent_fd: int | None = None, offers: Offers | None = None) -> None:
+                 client: redis.Redis | None, offers: Offers, parent_fd: int | None = None) -> None:
         self.limit, self.idle_s = settings.prepared_sandboxes, settings.prepared_idle_s
         self.runner, self.listener, self.redis = runner, listener, client
         self.selector = selectors.DefaultSelector()
@@ -464,13 +464,11 @@ class Keeper:
 
     def _offer(self, held: Held) -> None:
         self.ready[held.key] = held
-        if self.offers is not None:
-            self.offers.add(held.key.workspace)
+        self.offers.add(held.key.workspace)
 
     def _withdraw(self, held: Held) -> None:
         del self.ready[held.key]
-        if self.offers is not None:
-            self.offers.remove(held.key.workspace)
+        self.offers.remove(held.key.workspace)
 
     def _kill(self, held: Held) -> None:
         if held.pidfd is not None:
@@ -562,8 +560,7 @@ class Keeper:
             if held.group is not None:
                 remove_now(held.group)
         self.slots.remove_all()
-        if self.offers is not None:
-            self.offers.remove_all()
+        self.offers.remove_all()
 
 
 def _parent_of(pid: int) -> int | None:
@@ -603,8 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("keeper: RUNWARDEN_SANDBOX is not bwrap: nothing to prepare")
         return 2
     listener = listen(args.socket)
-    keeper = Keeper(settings, runner, listener, connections.connect(settings, socket_timeout=5), args.parent_fd,
-                    Offers(offers_dir(args.socket)))
+    keeper = Keeper(settings, runner, listener, connections.connect(settings, socket_timeout=5),
+                    Offers(offers_dir(args.socket)), args.parent_fd)
 
     def stop(signum: int, _frame: object) -> None:
         keeper.running = False
