@@ -84,7 +84,8 @@ class BwrapRunner(ColdRunner):
         # One bind for all of /etc: bwrap spends ~0.3 ms on each mount, and 15 files cost 5 ms.
         args += ["--ro-bind", str(self.etc_dir), "/etc"]
         tmp_size = ["--size", str(self.limits.file_bytes)] if "--size" in self.features else []
-        return args + ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        # /run is a directory of the sandbox's own root tmpfs: as private as a tmpfs of its own, one mount fewer.
+        return args + ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--dir", "/run"]
 
     def argv(self, workspace: Path, network: bool, info_fd: int, block_fd: int | None = None,
              binds: list[tuple[str, int]] | None = None, status_option: str = "--info-fd") -> list[str]:
