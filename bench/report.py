@@ -5,6 +5,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.cpu import REST
 from bench.stats import summary
 
 WORKER_GROWTH_LIMIT_KIB_PER_1000 = 50.0  # ≈ 50 bytes per call: anything that leaks per call shows above it
@@ -136,6 +137,7 @@ def markdown(r: dict[str, Any]) -> str:
         if "lost" in t:
             extra += f"; {t['verified']}/{t['streams']} streams verified"
         out.append(f"| {kind} | {t['label']} | {_f(t['mb_per_s'], 0)} MB/s{extra} | | |")
+    out += _cpu_table(r["throughput"])
     mem = r["memory"]
     out += ["", "### Memory", "", "| measurement | result |", "|---|---|"]
     if "api_idle_streams" in mem:
@@ -172,6 +174,30 @@ def markdown(r: dict[str, Any]) -> str:
     if r["errors"]:
         out += ["", "Errors: " + "; ".join(f"{k}: {v['count']} ({v['examples'][0]})" for k, v in r["errors"].items())]
     return "\n".join(out)
+
+
+# (row, the bare floor's process, runwarden's): the same part of the path on each side
+_CPU_ROWS = (("HTTP server", "bare Flask app (gunicorn)", "runwarden API (gunicorn)"),
+             ("Celery worker", "bare Celery worker (main + pool + its bwrap)",
+              "runwarden worker (main + pool + keeper + their bwrap)"),
+             ("Redis", "redis-server", "redis-server"),
+             ("bench client", "bench client", "bench client"),
+             (REST, REST, REST),
+             ("**machine, all of it**", "machine", "machine"))
+
+
+def _cpu_table(throughput: dict[str, Any]) -> list[str]:
+    """CPU per call of the two 32-outstanding loads, side by side (bench/cpu.py says how it is counted)."""
+    floor = throughput.get("floor.bare_task_x32", {}).get("cpu_ms_per_call")
+    ours = throughput.get("rw.shell_true_x32", {}).get("cpu_ms_per_call")
+    if not floor or not ours:
+        return []
+    out = ["", "### CPU per call, 32 outstanding (ms of CPU per completed call)", "",
+           "| part | bare Celery task + bare sandbox | runwarden shell `true` | difference |", "|---|--:|--:|--:|"]
+    for label, floor_role, our_role in _CPU_ROWS:
+        a, b = floor.get(floor_role, 0.0), ours.get(our_role, 0.0)
+        out.append(f"| {label} | {_f(a, 2)} | {_f(b, 2)} | {b - a:+.2f} |")
+    return out
 
 
 def chart(r: dict[str, Any], path: Path) -> None:

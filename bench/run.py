@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import websocket
 
-from bench import floor_sandbox, profile, report, stack as stack_mod
+from bench import cpu, floor_sandbox, profile, report, stack as stack_mod
 from bench.client import Agent, BenchError, Http, read_stream
 from bench.stats import slope, summary
 from workers import workspace
@@ -407,7 +407,7 @@ class Bench:
         window = [(t, lat) for t, lat in done if begin + warm_s <= t <= end]
         if failures:
             log(f"  ! {name}: {len(failures)} failed, e.g. {failures[0]}")
-        return {"completed": len(window), "window_s": end - begin - warm_s,
+        return {"completed": len(window), "all_completed": len(done), "window_s": end - begin - warm_s,
                 "per_s": len(window) / (end - begin - warm_s), "failures": len(failures),
                 "failure_examples": failures[:3], "latency_ms": [lat * 1000 for _, lat in window]}
 
@@ -432,11 +432,19 @@ class Bench:
             http = Http(self.s.api_url)
             return lambda: self.op_shell_wait(http)
 
+        roots = cpu.roots(self.s.stack.children)
+
+        def metered(name: str, make_op: Callable[[], Callable[[], Any]]) -> dict[str, Any]:
+            before = cpu.Snapshot(roots)
+            outcome = self.closed_loop(name, 32, seconds, make_op)
+            outcome["cpu_ms_per_call"] = cpu.per_call(before, cpu.Snapshot(roots), outcome["all_completed"])
+            return outcome
+
         for number in range(self.mode.throughput_slices):
             slices["floor.bare_bwrap_x2"].append(self.closed_loop("bare bwrap ×2", 2, seconds, bare))
-            slices["floor.bare_task_x32"].append(self.closed_loop("bare task ×32", 32, seconds, bare_task))
+            slices["floor.bare_task_x32"].append(metered("bare task ×32", bare_task))
             with profile.maybe(self, "shell-throughput", enabled=self.profiling and number == 0):
-                slices["rw.shell_true_x32"].append(self.closed_loop("shell true ×32", 32, seconds, shell))
+                slices["rw.shell_true_x32"].append(metered("shell true ×32", shell))
             log("  slice {}: bare ×2 {:.0f}/s, bare task ×32 {:.0f}/s, runwarden shell ×32 {:.0f}/s".format(
                 number + 1, *(slices[k][-1]["per_s"] for k in slices)))
         labels = {"floor.bare_bwrap_x2": "bare `bwrap … true`, 2 in parallel in the bench process",
@@ -453,6 +461,9 @@ class Bench:
                 "failure_examples": [e for r in runs for e in r["failure_examples"]][:3],
                 "latency": summary(latencies),
             }
+            if all("cpu_ms_per_call" in r for r in runs):
+                self.results["throughput"][name]["cpu_ms_per_call"] = _weighted(
+                    [(r["cpu_ms_per_call"], r["all_completed"]) for r in runs])
 
     def relay_floor_once(self, total: int) -> dict[str, Any]:
         name = uuid.uuid4().hex[:10]
@@ -699,6 +710,13 @@ class Bench:
         log(f"  soak: {soak_calls} calls in {soak_s:.0f} s; worker RSS "
             f"{sum(start_rss.values()) / 1024:.1f} MiB at start → {sum(end.values()) / 1024:.1f} MiB after "
             f"{self.calls - start_calls} calls; second-half slope {growth_per_k:+.1f} KiB/1000 calls")
+
+
+def _weighted(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Per-call values of several slices, each weighted by the calls it completed."""
+    calls = sum(n for _, n in parts) or 1
+    roles = {role for values, _ in parts for role in values}
+    return {role: round(sum(values.get(role, 0.0) * n for values, n in parts) / calls, 3) for role in sorted(roles)}
 
 
 def log(message: str) -> None:
