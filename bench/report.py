@@ -153,7 +153,7 @@ def markdown(r: dict[str, Any]) -> str:
                      f"of 503 ({a.get('cancel_s', 0)} s) |")
     if "worker" in mem:
         w = mem["worker"]
-        out.append(f"| worker RSS (celery main + {len(w['rss_end_kib']) - 1} pool children) | "
+        out.append(f"| worker RSS (celery main + {len(w['rss_end_kib']) - 1} children: pool processes, keeper) | "
                    f"{_f(w['rss_start_total_kib'] / 1024)} MiB after warm-up → {_f(w['rss_end_total_kib'] / 1024)} MiB "
                    f"after {w['calls_since_start']:,} calls ({w['soak_calls']:,} in the {w['soak_s']:.0f} s soak); "
                    f"soak second-half slope {w['growth_kib_per_1000_calls_second_half']:+.1f} KiB/1000 calls |")
