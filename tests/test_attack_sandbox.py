@@ -109,17 +109,19 @@ def test_cannot_write_outside_workspace_and_tmp(agent) -> None:
                         f"  if touch $d/{marker} 2>/dev/null; then echo WROTE $d; fi; done; "
                         f"echo x > /etc/passwd 2>/dev/null && echo WROTE passwd; "
                         f"echo 1 > /proc/sys/kernel/hostname 2>/dev/null && echo WROTE proc; "
-                        f"touch /tmp/{marker} /workspace/{marker} && echo ok")
+                        f"touch /tmp/{marker} /run/{marker} /workspace/{marker} && echo ok")
     assert "WROTE" not in result["stdout"], result
     assert result["stdout"].endswith("ok\n")
     assert (agent.workspace / marker).exists()
     for directory in ("/usr", "/usr/bin", "/usr/local", "/etc", "/etc/ssl", "/tmp", "/"):
         assert not (Path(directory) / marker).exists(), directory
-    # Nothing persists between calls: the next one gets a fresh, empty /tmp.
-    again = run(agent, f"ls /{marker} /etc/{marker} /tmp/{marker} 2>&1; echo ---; ls -A /tmp; echo end")
+    # Nothing persists between calls: the next one gets a fresh, empty /tmp and /run (a directory of
+    # the sandbox's own root tmpfs).
+    again = run(agent, f"ls /{marker} /etc/{marker} /tmp/{marker} /run/{marker} 2>&1; echo ---; "
+                       "ls -A /tmp /run; echo end")
     missing, listing = again["stdout"].split("---\n")
-    assert missing.count("No such file") == 3, again
-    assert listing == "end\n", again
+    assert missing.count("No such file") == 4, again
+    assert listing == "/run:\n\n/tmp:\nend\n", again
 
 
 def _ports(stack) -> list[int]:  # type: ignore[no-untyped-def]

@@ -139,6 +139,15 @@ def test_output_event_text_or_base64() -> None:
     assert base64.b64decode(event["data_b64"]) == b"\xff\x00" and "data" not in event
 
 
+@pytest.mark.parametrize("text", ["plain", "tab\tcr\rlf\n", "quote \" backslash \\ slash /", "\x00\x01\x1f\x7f",
+                                  "\u2028\u2029", "é€😀", "x" * 70_000])
+def test_output_event_is_the_json_json_dumps_writes(text: str) -> None:
+    """orjson writes the events; their bytes are what json.dumps(ensure_ascii=False) would write."""
+    expected = json.dumps({"type": "output", "seq": 7, "stream": "stdout", "data": text},
+                          ensure_ascii=False, separators=(",", ":")).encode()
+    assert output_event(7, "stdout", text.encode()) == expected
+
+
 @pytest.mark.parametrize("code,name", [(0, None), (1, None), (130, "SIGINT"), (137, "SIGKILL"), (143, "SIGTERM"),
                                        (255, None)])
 def test_signal_name(code: int, name: str | None) -> None:
