@@ -13,23 +13,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from bench.stack import proc_stats
+
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 REST = "rest of the machine: sandboxes' insides (reaped by init), kernel threads"
 
 
 def _processes() -> dict[int, tuple[int, int]]:
     """pid → (parent pid, CPU ticks including reaped children) for every process now."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        found[int(entry)] = (int(fields[1]), sum(int(value) for value in fields[11:15]))
-    return found
+    return {pid: (int(fields[1]), sum(int(value) for value in fields[11:15])) for pid, fields in proc_stats()}
 
 
 def _busy_ticks() -> int:

@@ -10,6 +10,7 @@ import secrets
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
@@ -153,19 +154,21 @@ def _floor_worker_answers(floor_url: str) -> bool:
 
 # --- processes and memory ---------------------------------------------------------------------------
 
-def children(pid: int) -> list[int]:
-    found = []
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command's name) of every process now; the
+    first field is the state, the second the parent's pid."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+                yield int(entry), stat.read().rsplit(")", 1)[1].split()
         except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
+            continue  # gone meanwhile
+
+
+def children(pid: int) -> list[int]:
+    return [child for child, fields in proc_stats() if int(fields[1]) == pid]
 
 
 def same_program_children(pid: int) -> list[int]:
