@@ -109,6 +109,37 @@ def test_create_read_patch_and_a_stale_base_sha(client: Client, agent) -> None:
     assert (agent.workspace / "src/a.txt").read_bytes() == new
 
 
+def test_a_patch_set_all_or_nothing_dry_run_and_replay(client: Client, agent) -> None:
+    a, b = "a\r\n", "b\tb \u00e9\n"
+    created = client.apply_patches([{"path": "set/a.txt", "diff": creation_diff("set/a.txt", a), "base_sha": ZERO_SHA},
+                                    {"path": "set/b.txt", "diff": creation_diff("set/b.txt", b), "base_sha": ZERO_SHA}],
+                                   idempotency_key="set-1")
+    assert not created.dry_run and not created.replayed
+    assert [(f.path, f.created, f.new_sha) for f in created.files] == [
+        ("set/a.txt", True, blob_sha(a.encode())), ("set/b.txt", True, blob_sha(b.encode()))]
+    assert (agent.workspace / "set/b.txt").read_bytes() == b.encode()
+
+    update = {"path": "set/a.txt", "diff": "--- a/set/a.txt\n+++ b/set/a.txt\n@@ -1 +1 @@\n-a\r\n+A\r\n",
+              "old_content": a.encode()}
+    dry = client.apply_patches([update], dry_run=True)
+    assert dry.dry_run and dry.files[0].new_sha == blob_sha(b"A\r\n")
+    assert (agent.workspace / "set/a.txt").read_bytes() == a.encode()  # nothing written
+
+    stale = {"path": "set/b.txt", "diff": "--- a/set/b.txt\n+++ b/set/b.txt\n@@ -1 +1 @@\n-old\n+new\n",
+             "base_sha": blob_sha(b"old\n")}
+    with pytest.raises(BaseShaMismatch) as refused:
+        client.apply_patches([update, stale])
+    assert refused.value.failed_index == 1 and refused.value.current_sha == blob_sha(b.encode())
+    assert (agent.workspace / "set/a.txt").read_bytes() == a.encode()  # entry 0 was not applied either
+
+    again = client.apply_patches([{"path": "set/a.txt", "diff": creation_diff("set/a.txt", a), "base_sha": ZERO_SHA},
+                                  {"path": "set/b.txt", "diff": creation_diff("set/b.txt", b), "base_sha": ZERO_SHA}],
+                                 idempotency_key="set-1", call_id=created.call_id)  # the same request again
+    assert again.replayed and again.files == created.files and again.task_id == created.task_id
+    with pytest.raises(TypeError):
+        client.apply_patches([{"path": "x", "diff": "", "base_sha": ZERO_SHA, "old_content": b""}])
+
+
 def test_bytes_that_are_not_utf8_and_refusals(client: Client, agent) -> None:
     agent.workspace.mkdir(parents=True, exist_ok=True)
     (agent.workspace / "blob.bin").write_bytes(b"\xff\xfe\x00\x01 not text \xc3(")

@@ -16,13 +16,14 @@ from runwarden_client.errors import (RunwardenError, MissingIdempotencyKey, Inva
                                       QuotaExceeded, ArchiveRejected, WorkspaceBusy, WorkspaceExists,
                                       Unavailable, SandboxUnavailable, WorkspaceUnavailable, CallFailed,
                                       ConnectionFailed, StreamError, IntegrityError)
-from runwarden_client.results import (ZERO_SHA, Event, Exit, FileResult, Output, PatchResult, ShellResult, Task,
-                                      blob_sha)
+from runwarden_client.results import (ZERO_SHA, Event, Exit, FileChange, FileResult, Output, PatchResult,
+                                      PatchSetResult, ShellResult, Task, blob_sha)
 from runwarden_client.stream import Stream
 from runwarden_client.version import __version__
 
 __all__ = [
-    "Client", "Stream", "Event", "Output", "Exit", "FileResult", "PatchResult", "ShellResult", "Task",
+    "Client", "Stream", "Event", "Output", "Exit", "FileResult", "PatchResult", "FileChange", "PatchSetResult",
+    "ShellResult", "Task",
     "ZERO_SHA", "blob_sha", "__version__",
     "RunwardenError", "MissingIdempotencyKey", "InvalidIdempotencyKey", "SchemaInvalid", "Unauthorized",
     "TokenExpired", "ForbiddenScope", "PathForbidden", "CommandForbidden", "ForbiddenOrigin",

@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -17,8 +17,8 @@ import requests
 
 from runwarden_client.errors import (CallFailed, ConnectionFailed, IdempotencyKeyInUse, IntegrityError,
                                      RunwardenError)
-from runwarden_client.results import (FileResult, PatchResult, ShellResult, Task, blob_sha,
-                                      wire_bytes)
+from runwarden_client.results import (FileChange, FileResult, PatchResult, PatchSetResult, ShellResult, Task,
+                                      blob_sha, wire_bytes)
 from runwarden_client.retry import Budget, RetryPolicy, retry_after, retryable
 from runwarden_client.stream import Stream, drain, send_signal
 from runwarden_client.version import __version__
@@ -80,6 +80,25 @@ class Client:
         return PatchResult(task_id=body["task_id"], call_id=call.call_id, path=result["path"],
                            base_sha=result["base_sha"], new_sha=result["new_sha"], created=result["created"],
                            deleted=result["deleted"], replayed=replayed)
+
+    def apply_patches(self, patches: Sequence[Mapping[str, Any]], *, dry_run: bool = False,
+                      idempotency_key: str | None = None, call_id: str | None = None) -> PatchSetResult:
+        """Apply several unified diffs, all or nothing (contract section 13). Each entry has `path`,
+        `diff`, and `base_sha` or `old_content`, as `apply_patch` takes them. A failing entry fails
+        the whole call with its own error, whose `failed_index` is the entry's position."""
+        entries = []
+        for entry in patches:
+            if ("base_sha" in entry) == ("old_content" in entry):
+                raise TypeError("each patch needs exactly one of base_sha and old_content")
+            sha = entry["base_sha"] if "base_sha" in entry else blob_sha(entry["old_content"])
+            entries.append({"path": entry["path"], "diff": entry["diff"], "base_sha": sha})
+        call = _Call("apply_file_patches", {"patches": entries, "dry_run": dry_run}, idempotency_key, call_id)
+        body, replayed = self._file_call(call)
+        result = body["result"]
+        files = tuple(FileChange(path=f["path"], base_sha=f["base_sha"], new_sha=f["new_sha"], created=f["created"],
+                                 deleted=f["deleted"]) for f in result["files"])
+        return PatchSetResult(task_id=body["task_id"], call_id=call.call_id, dry_run=result["dry_run"], files=files,
+                              replayed=replayed)
 
     def run(self, command: str, *, timeout_ms: int | None = None, cwd: str | None = None,
             idempotency_key: str | None = None, call_id: str | None = None) -> ShellResult:

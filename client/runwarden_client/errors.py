@@ -28,6 +28,12 @@ class RunwardenError(Exception):
         value = self.problem.get("task_id")
         return value if isinstance(value, str) else None
 
+    @property
+    def failed_index(self) -> int | None:
+        """For `apply_patches`: the position of the entry that failed (none of them was applied)."""
+        value = self.problem.get("failed_index")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     @staticmethod
     def from_problem(status: int, problem: Mapping[str, Any]) -> RunwardenError:
         code = str(problem.get("code") or f"http_{status}")

@@ -53,6 +53,28 @@ class PatchResult:
 
 
 @dataclass(frozen=True)
+class FileChange:
+    """One entry of a patch set's result, in the order the entries were given."""
+
+    path: str
+    base_sha: str
+    new_sha: str
+    created: bool
+    deleted: bool
+
+
+@dataclass(frozen=True)
+class PatchSetResult:
+    """`apply_patches`: every file is at its `new_sha` now, or (`dry_run`) would be."""
+
+    task_id: str
+    call_id: str
+    dry_run: bool
+    files: tuple[FileChange, ...]
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
 class Output:
     """One output event: a piece of stdout or stderr, in order, never a split UTF-8 character."""
 
