@@ -16,6 +16,11 @@ from typing import Any
 from bench.stack import proc_stats
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+# The roles a report compares, by the names it prints.
+API, BARE_API = "runwarden API (gunicorn)", "bare Flask app (gunicorn)"
+WORKER = "runwarden worker (main + pool + keeper + their bwrap)"
+BARE_WORKER = "bare Celery worker (main + pool + its bwrap)"
+REDIS, BENCH, MACHINE = "redis-server", "bench client", "machine"
 REST = "rest of the machine: sandboxes' insides (reaped by init), kernel threads"
 
 
@@ -54,13 +59,11 @@ class Snapshot:
 
 def roots(stack_children: list[tuple[str, Any]]) -> dict[int, str]:
     """The bench process and each process the bench stack started, by a name a reader knows."""
-    names = {"redis": "redis-server", "api": "runwarden API (gunicorn)", "bare-api": "bare Flask app (gunicorn)",
-             "bare-worker": "bare Celery worker (main + pool + its bwrap)", "floor-api": "floor app",
+    names = {"redis": REDIS, "api": API, "bare-api": BARE_API, "bare-worker": BARE_WORKER, "floor-api": "floor app",
              "floor-worker": "floor worker", "bench-keeper": "bench's own keeper"}
-    found = {os.getpid(): "bench client"}
+    found = {os.getpid(): BENCH}
     for name, process in stack_children:
-        found[process.pid] = names.get(name, "runwarden worker (main + pool + keeper + their bwrap)"
-                                       if name.startswith("bench-") else name)
+        found[process.pid] = names.get(name, WORKER if name.startswith("bench-") else name)
     return found
 
 
@@ -73,5 +76,5 @@ def per_call(before: Snapshot, after: Snapshot, calls: int) -> dict[str, float]:
             ms[role] = ms.get(role, 0.0) + ticks * TICK_S * 1000 / max(1, calls)
     total = (after.busy - before.busy) * TICK_S * 1000 / max(1, calls)
     ms[REST] = max(0.0, total - sum(ms.values()))
-    ms["machine"] = total
-    return {role: round(value, 3) for role, value in ms.items() if value >= 0.005 or role == "machine"}
+    ms[MACHINE] = total
+    return {role: round(value, 3) for role, value in ms.items() if value >= 0.005 or role == MACHINE}

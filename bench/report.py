@@ -5,7 +5,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.cpu import REST
+from bench import cpu
 from bench.stats import summary
 
 WORKER_GROWTH_LIMIT_KIB_PER_1000 = 50.0  # ≈ 50 bytes per call: anything that leaks per call shows above it
@@ -177,13 +177,9 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 # (row, the bare floor's process, runwarden's): the same part of the path on each side
-_CPU_ROWS = (("HTTP server", "bare Flask app (gunicorn)", "runwarden API (gunicorn)"),
-             ("Celery worker", "bare Celery worker (main + pool + its bwrap)",
-              "runwarden worker (main + pool + keeper + their bwrap)"),
-             ("Redis", "redis-server", "redis-server"),
-             ("bench client", "bench client", "bench client"),
-             (REST, REST, REST),
-             ("**machine, all of it**", "machine", "machine"))
+_CPU_ROWS = (("HTTP server", cpu.BARE_API, cpu.API), ("Celery worker", cpu.BARE_WORKER, cpu.WORKER),
+             ("Redis", cpu.REDIS, cpu.REDIS), ("bench client", cpu.BENCH, cpu.BENCH),
+             (cpu.REST, cpu.REST, cpu.REST), ("**machine, all of it**", cpu.MACHINE, cpu.MACHINE))
 
 
 def _cpu_table(throughput: dict[str, Any]) -> list[str]:
