@@ -71,9 +71,7 @@ class Client:
                     idempotency_key: str | None = None, call_id: str | None = None) -> PatchResult:
         """Apply a unified diff to `path` if the file is still `base_sha` (or, given `old_content`, the
         bytes it had when the diff was made; `ZERO_SHA` to create it)."""
-        if (base_sha is None) == (old_content is None):
-            raise TypeError("apply_patch needs exactly one of base_sha and old_content")
-        sha = base_sha if base_sha is not None else blob_sha(old_content or b"")
+        sha = _base_sha(base_sha, old_content, "apply_patch")
         call = _Call("apply_file_patch", {"path": path, "diff": diff, "base_sha": sha}, idempotency_key, call_id)
         body, replayed = self._file_call(call)
         result = body["result"]
@@ -86,12 +84,9 @@ class Client:
         """Apply several unified diffs, all or nothing (contract section 13). Each entry has `path`,
         `diff`, and `base_sha` or `old_content`, as `apply_patch` takes them. A failing entry fails
         the whole call with its own error, whose `failed_index` is the entry's position."""
-        entries = []
-        for entry in patches:
-            if ("base_sha" in entry) == ("old_content" in entry):
-                raise TypeError("each patch needs exactly one of base_sha and old_content")
-            sha = entry["base_sha"] if "base_sha" in entry else blob_sha(entry["old_content"])
-            entries.append({"path": entry["path"], "diff": entry["diff"], "base_sha": sha})
+        entries = [{"path": entry["path"], "diff": entry["diff"],
+                    "base_sha": _base_sha(entry.get("base_sha"), entry.get("old_content"), "each patch")}
+                   for entry in patches]
         call = _Call("apply_file_patches", {"patches": entries, "dry_run": dry_run}, idempotency_key, call_id)
         body, replayed = self._file_call(call)
         result = body["result"]
@@ -183,6 +178,13 @@ class Client:
         result = self.get(task_id).result or {}
         return CallFailed(0, str(result.get("code", "failed")), str(result.get("message", "the call failed")),
                           dict(result))
+
+
+def _base_sha(base_sha: str | None, old_content: bytes | None, what: str) -> str:
+    """The `base_sha` a patch is sent with: given, or the blob sha of the bytes it was made against."""
+    if (base_sha is None) == (old_content is None):
+        raise TypeError(f"{what} needs exactly one of base_sha and old_content")
+    return base_sha if base_sha is not None else blob_sha(old_content or b"")
 
 
 def _shell_parameters(command: str, timeout_ms: int | None, cwd: str | None) -> dict[str, Any]:
