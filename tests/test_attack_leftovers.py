@@ -1,9 +1,11 @@
-"""What workers leave on the host: the per-call cgroups of their pool processes (issue 18 item 9).
+"""What workers leave on the host: the per-call cgroups of their pool processes (issue 18 item 9),
+and the sandboxes' inits (workers/sandbox/orphans.py).
 
 A stack of its own, so its workers can be killed and stopped: a pool process killed outright
 leaves its group to the next worker start's sweep, which must spare the groups of live pool
 processes of other workers; a pool process that ends, or a worker that stops, takes its groups
-with it.
+with it. bwrap exits before the sandbox's init has: the process that spawned it reaps that init,
+so no zombie is left to the host's init, holding its pid and one of the next call's pids.
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from pathlib import Path
 import pytest
 
 from runwarden import devstack
+from shared.settings import Settings
 from tests.conftest import ALL_SCOPES, Agent, reachable_workspaces, start_stack
 from tests.test_faults import (
     pool_children,  # a worker's keeper is its child too, not a pool process
 )
-from workers import cgroups
+from tests.waiting import wait_until
+from workers import cgroups, sandbox
+from workers.sandbox import orphans
 
 
 def group_parents() -> list[Path]:
@@ -100,3 +105,43 @@ def test_dead_pool_processes_leave_no_cgroups(own_stack) -> None:
     os.killpg(second.pid, signal.SIGTERM)
     second.wait(60)
     assert not any(group.exists() for group in second_groups)
+
+
+def parent_of(pid: int) -> int | None:
+    """Its parent's pid, None once it is reaped."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def test_the_spawner_reaps_each_sandbox_init_itself() -> None:
+    workspaces = reachable_workspaces()
+    runner = sandbox.build_runner(Settings.from_env({"RUNWARDEN_REDIS_URL": "redis://unused",
+                                                    "RUNWARDEN_WORKSPACES": str(workspaces)}, require_jwt=False))
+    if not isinstance(runner, sandbox.BwrapRunner):
+        pytest.skip("needs bwrap")
+    workspace = workspaces / "ws"
+    workspace.mkdir()
+    if runner.host_uid is not None:
+        os.chown(workspace, runner.host_uid, runner.host_uid)
+    assert orphans.become_subreaper()  # as each pool process and the keeper do
+    try:
+        inits = []
+        for _ in range(100):  # back to back, as a busy pool process runs them
+            process = runner.spawn("exit 0", workspace, "", network=False)
+            inits.append(process.group_leader)
+            assert sandbox.communicate(process, timeout_s=30)[0] == 0
+            # Reaped, or still ours until the next spawn reaps it: never the host init's zombie.
+            assert parent_of(inits[-1]) in (None, os.getpid())
+        wait_until(lambda: (orphans.reap_pending(), not orphans.pending())[1], 30, "the last inits reaped")
+        assert [pid for pid in inits if parent_of(pid) == os.getpid()] == []
+        if runner.cgroups is not None:  # nothing left charged to the group the next call gets
+            group = runner.cgroups.for_this_process()
+            counted = group.directory("pids") or group.directory("v2")
+            assert counted is not None and (counted / "pids.current").read_text().strip() == "0"
+    finally:
+        orphans.become_subreaper(False)
+        if runner.cgroups is not None:
+            runner.cgroups.release_own()
+        shutil.rmtree(workspaces, ignore_errors=True)

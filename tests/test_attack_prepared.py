@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -51,6 +52,22 @@ def gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def parent_of(pid: int) -> int | None:
+    """Its parent's pid, None once it is reaped."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def watch_until_reaped(init: int) -> list[int | None]:
+    """The parents `init` had until it was reaped (workers/sandbox/orphans.py): bwrap exits before
+    its sandbox's init, which then goes to the process that spawned bwrap, never the host's init."""
+    parents: list[int | None] = []
+    wait_until(lambda: (parents.append(parent_of(init)), parents[-1] is None)[1], 30, f"init {init} reaped")
+    return parents
+
+
 # --- single use --------------------------------------------------------------------------------------
 
 def test_a_prepared_sandbox_serves_one_call_and_leaves_nothing_to_the_next(make_agent) -> None:
@@ -74,6 +91,33 @@ def test_a_prepared_sandbox_serves_one_call_and_leaves_nothing_to_the_next(make_
     assert (tmp, leak, sleepers, fds) == ("", "0", "0", "0 1 2 3 "), probe
     assert started != left["stdout"].split()[1]  # another init, another PID namespace
     assert counts(agent.stack, str(agent.workspace)) == (hits + 2, misses)  # both were prepared ones
+
+
+def test_each_sandbox_init_is_reaped_by_its_spawner_cold_and_prepared(make_agent, stack) -> None:
+    """A prepared sandbox's init is reaped by the keeper, a cold one's by its pool process: no
+    zombie is left to the host's init (whose pid, and one of the next call's pids, it would hold)."""
+    agent = make_agent()
+    child = prepared(agent)["child"]
+    run(agent, "true")  # takes it
+    assert 1 not in watch_until_reaped(child)
+
+    marker = f"1.{secrets.randbelow(10**6):06d}"
+    ask(stack, {"op": "pause", "on": True})  # every call cold
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(run, agent, f"sleep {marker}")
+            [sleeper] = wait_until(lambda: host_processes_with(marker), 30, "the cold call's command")
+            init = sleeper  # the first bwrap above the command is the sandbox's init
+            while Path(f"/proc/{init}/comm").read_text().strip() != "bwrap":
+                init = parent_of(init) or 1
+                assert init != 1, "no bwrap above the command"
+            bwrap = parent_of(init)
+            pool_process = parent_of(bwrap or 1)
+            assert call.result(timeout=60)["exit_code"] == 0
+        parents = watch_until_reaped(init)
+        assert set(parents) - {None} <= {bwrap, pool_process}, parents
+    finally:
+        ask(stack, {"op": "pause", "on": False})
 
 
 def test_a_prepared_call_sees_what_a_cold_one_sees(make_agent, stack) -> None:

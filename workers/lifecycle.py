@@ -27,6 +27,7 @@ from shared.settings import Settings
 from workers import metrics, runtime, sandbox
 from workers.runtime import WORKER_NAME
 from workers.sandbox import BwrapRunner
+from workers.sandbox import orphans
 from workers.sandbox.keeper import KeeperProcess
 from workers.sandbox.prepared import KeeperClient, PreparedRunner, keeper_socket
 from workers.tasks import reap_lost_calls
@@ -120,6 +121,8 @@ def connect_worker_signals(app: Celery, host: runtime.Host) -> None:
     def leave_the_keeper_to_the_main_process(**_: object) -> None:
         for keeper in keepers:
             keeper.in_pool_process()
+        if host.runner is not None and host.runner.name == "bwrap":
+            orphans.become_subreaper()  # it reaps its sandboxes' inits (workers/sandbox/orphans.py)
 
     @worker_process_shutdown.connect(weak=False)
     def remove_cgroup(**_: object) -> None:

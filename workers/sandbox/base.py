@@ -25,9 +25,11 @@ from shared.errors import PathForbidden
 from shared.paths import WHOLE_WORKSPACE, ShellView
 from shared.settings import Settings
 from workers.cgroups import Cgroups
+from workers.sandbox import orphans
 from workers.usage import NO_METER, Meter, start
 
 SANDBOX_HOME = "/workspace"
+REAP_WAIT_S = 1.0  # for an init still exiting, after a call (workers/sandbox/orphans.py)
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 SANDBOX_UID = 1000
 
@@ -166,6 +168,7 @@ class ColdRunner:
         return start(self.cgroups.for_this_process()) if self.cgroups else NO_METER
 
     def after_call(self) -> None:
+        orphans.reap_pending(wait_s=REAP_WAIT_S)
         if self.cgroups:
             self.cgroups.renew_if_charged()
 
@@ -345,6 +348,8 @@ class PopenProcess:
         for pipe in (self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
+        if self.sandbox_init and self.popen.returncode is not None:
+            orphans.reap(self.group_leader)
 
 
 def init_has_forked(init: int) -> bool:

@@ -36,6 +36,7 @@ from shared.paths import WHOLE_WORKSPACE, ShellView
 from workers import usage
 from workers import workspace as workspace_files
 from workers.cgroups import CallGroup, Cgroups
+from workers.sandbox import orphans
 from workers.sandbox.thread_uid import ThreadUid
 from workers.sandbox.base import (COMMAND_READER, ColdRunner, Go, kill_tree, Limits, NotStarted, PopenProcess,
                                   SANDBOX_HOME, SANDBOX_UID, backstop_ulimits, check_cwd, environment,
@@ -165,6 +166,7 @@ class BwrapRunner(ColdRunner):
         (`--info-fd`, or `--json-status-fd`, which also gives the exit code at the end, for a
         sandbox whose parent is not the one that waits for it), then `Launched.settle`."""
         let_commands_start_with_default_signals()
+        orphans.reap_pending()  # inits that were still exiting when their call let go of them
         born_inside = cgroup is not None and cgroup.spawns_inside
         info_read, info_write = os.pipe2(os.O_CLOEXEC)
         # Where the sandbox cannot be born in its cgroup, bwrap waits on --block-fd until it is moved in.
@@ -257,6 +259,8 @@ class Launched:
         known: its group holds the init until the sandbox has its own), reap it, let go of it."""
         kill_tree(self.popen, child)
         self.popen.wait()
+        if child != self.popen.pid:
+            orphans.reap(child)
         self.abort()
 
     def abort(self) -> None:

@@ -60,6 +60,7 @@ from workers import workspace as workspace_files
 from workers.cgroups import CallGroup, Cgroups, charged_bytes, group_name, remove_now
 from workers.sandbox.base import Ahead, Key, kill_tree, let_commands_start_with_default_signals
 from workers.sandbox.build import build_runner
+from workers.sandbox import orphans
 from workers.sandbox.bwrap import BwrapRunner, Launched, _close, _open_view
 from workers.sandbox.prepared import MAX_MESSAGE, offer_name, offers_dir, peer_uid
 
@@ -483,6 +484,8 @@ class Keeper:
         os.close(held.bwrap_pidfd)
         held.launched.popen.wait()
         held.reaped = True
+        if held.child is not None:
+            orphans.reap(held.child)
         if self.ready.get(held.key) is held:
             self._discard(held, "died")
         elif held.released:
@@ -503,6 +506,7 @@ class Keeper:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        orphans.reap_pending()
         self._refresh_revocations()
         for held in list(self.ready.values()):
             for conn, deadline in [waiter for waiter in held.waiters if waiter[1] <= now]:
@@ -595,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s: %(levelname)s/keeper] %(message)s")
     settings = Settings.from_env(require_jwt=False)
     let_commands_start_with_default_signals()  # what the worker ignores, its sandboxes must not
+    orphans.become_subreaper()  # it reaps its sandboxes' inits (workers/sandbox/orphans.py)
     runner = build_runner(settings)
     if not isinstance(runner, BwrapRunner):
         log.error("keeper: RUNWARDEN_SANDBOX is not bwrap: nothing to prepare")
