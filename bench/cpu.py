@@ -3,10 +3,12 @@ whose cores are the limit.
 
 Each stack process counts with everything it has reaped (utime + stime + cutime + cstime), and
 each process under it (a pool child, a gunicorn worker, the keeper) counts for the stack process it
-descends from. A sandbox's own processes are not all there: bwrap exits as soon as its command has,
-so the sandbox's PID 1 (with the shell it reaped) is reaped by the host's init, and its exit (the
-namespaces and mounts torn down) is counted there. Hence the last row: the machine's busy time
-(/proc/stat) less the rows above, which is mostly the sandboxes' insides and the kernel's threads.
+descends from. A bare sandbox's own processes are not all there: bwrap exits as soon as its command
+has, so the sandbox's PID 1 (with the shell it reaped) is reaped by the host's init, and its exit
+(the namespaces and mounts torn down) is counted there. runwarden's pool processes and keeper reap
+their sandboxes' inits themselves (workers/sandbox/orphans.py), so theirs count for the worker.
+Hence the last row: the machine's busy time (/proc/stat) less the rows above, which is mostly the
+bare sandboxes' insides and the kernel's threads.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ API, BARE_API = "runwarden API (gunicorn)", "bare Flask app (gunicorn)"
 WORKER = "runwarden worker (main + pool + keeper + their bwrap)"
 BARE_WORKER = "bare Celery worker (main + pool + its bwrap)"
 REDIS, BENCH, MACHINE = "redis-server", "bench client", "machine"
-REST = "rest of the machine: sandboxes' insides (reaped by init), kernel threads"
+REST = "rest of the machine: kernel threads; the bare sandboxes' insides (reaped by the host's init)"
 
 
 def _processes() -> dict[int, tuple[int, int]]:
