@@ -128,3 +128,11 @@ def host_processes_with(text: str) -> list[int]:
 
 def workspace_path(stack: Any, tenant: str, run_id: str) -> Path:
     return stack.workspaces / tenant / run_id
+
+
+def parent_of(pid: int) -> int | None:
+    """Its parent's pid, None once it is reaped."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None

@@ -23,6 +23,7 @@ from tests.conftest import ALL_SCOPES, Agent, reachable_workspaces, start_stack
 from tests.test_faults import (
     pool_children,  # a worker's keeper is its child too, not a pool process
 )
+from tests.sandboxes import parent_of
 from tests.waiting import wait_until
 from workers import cgroups, sandbox
 from workers.sandbox import orphans
@@ -105,14 +106,6 @@ def test_dead_pool_processes_leave_no_cgroups(own_stack) -> None:
     os.killpg(second.pid, signal.SIGTERM)
     second.wait(60)
     assert not any(group.exists() for group in second_groups)
-
-
-def parent_of(pid: int) -> int | None:
-    """Its parent's pid, None once it is reaped."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
 
 
 def test_the_spawner_reaps_each_sandbox_init_itself() -> None:

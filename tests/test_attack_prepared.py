@@ -32,7 +32,8 @@ from shared.paths import WHOLE_WORKSPACE
 from shared.settings import Settings
 from tests.archives import Operator, file, tar
 from tests.conftest import StackInfo, start_stack
-from tests.sandboxes import ask, counts, host_processes_with, keeper, key_of, prepared_for, ready_after_calls, wait_ready
+from tests.sandboxes import (ask, counts, host_processes_with, keeper, key_of, parent_of, prepared_for,
+                             ready_after_calls, wait_ready)
 from tests.streams import collect, connect
 from tests.waiting import run, wait_until
 from workers.sandbox.base import Ahead, Key
@@ -50,14 +51,6 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return state in ("Z", "X")
-
-
-def parent_of(pid: int) -> int | None:
-    """Its parent's pid, None once it is reaped."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 def watch_until_reaped(init: int) -> list[int | None]:
