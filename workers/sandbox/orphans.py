@@ -2,16 +2,17 @@
 
 bwrap exits as soon as it knows its command's exit status. Its child, the sandbox's PID 1, may still
 be exiting then, so it is orphaned and goes to the nearest subreaper, or else to the host's init.
-Some inits reap late: the VM's init here left 100+ zombies for a while. Until a zombie is reaped its
-pid is not reused, which matters because `kill` and `init_has_forked` name it. It also still counts
-in the pids cgroup that a pool process's next calls get (workers/cgroups.py), so a quick series of
-calls in one pool process ran out of pids (`Creating new namespace failed`) after 300–500 calls.
+Some inits reap late: the VM's init here left 100+ zombies for a while. Until it is reaped, a
+zombie still counts in the pids cgroup that a pool process's next calls get (workers/cgroups.py),
+so a quick series of calls in one pool process ran out of pids (`Creating new namespace failed`)
+after 300–500 calls. And once another process has reaped it, its pid may be reused while `kill`
+and `init_has_forked` still name it.
 
 A process that spawns sandboxes (each pool process, the keeper) therefore becomes a child
 subreaper, and reaps each init by its pid once bwrap has been reaped, since that is when the init
 becomes its child. An init that is still exiting then is reaped between calls (a pool process,
-after the call's answer; the keeper, at its next tick). Only inits can come
-to it this way: everything else in a sandbox is in the init's PID namespace and dies with it.
+after the call's answer; the keeper, at its next tick). Only inits can come to it this way:
+everything else in a sandbox is in the init's PID namespace and dies with it.
 """
 from __future__ import annotations
 
