@@ -176,9 +176,10 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-# (row, the floor's roles, runwarden's roles): the same part of the path on each side, the sum of its roles. The bare sandboxes'
-# inits are reaped by the host's init, runwarden's by its pool processes and keeper (bench/cpu.py),
-# so the worker and the rest are also shown together, where both sides count the same things.
+# (row, the floor's roles, runwarden's roles): the same part of the path on each side, the sum of
+# its roles. The bare sandboxes' inits are reaped by the host's init, runwarden's by its pool
+# processes and keeper (bench/cpu.py), so the worker and the rest are also shown together, where
+# both sides count the same things.
 _CPU_ROWS = (("HTTP server", (cpu.BARE_API,), (cpu.API,)), ("Celery worker", (cpu.BARE_WORKER,), (cpu.WORKER,)),
              ("Redis", (cpu.REDIS,), (cpu.REDIS,)), ("bench client", (cpu.BENCH,), (cpu.BENCH,)),
              (cpu.REST, (cpu.REST,), (cpu.REST,)),

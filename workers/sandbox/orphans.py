@@ -12,7 +12,8 @@ A process that spawns sandboxes (each pool process, the keeper) therefore become
 subreaper, and reaps each init by its pid once bwrap has been reaped, since that is when the init
 becomes its child. An init that is still exiting then is reaped between calls (a pool process,
 after the call's answer; the keeper, at its next tick). Only inits can come to it this way:
-everything else in a sandbox is in the init's PID namespace and dies with it.
+everything else in a sandbox is in the init's PID namespace and dies with it. One thread of a
+process spawns (a pool process's task, the keeper's loop), so the pending inits are not locked.
 """
 from __future__ import annotations
 
