@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
@@ -40,9 +41,25 @@ class CallGroup:
     def spawns_inside(self) -> bool:
         return bool(self.homes)
 
+    # The files written around every spawn, joined once.
+    @functools.cached_property
+    def _procs(self) -> tuple[str, ...]:
+        return tuple(os.path.join(directory, "cgroup.procs") for directory in self.dirs)
+
+    @functools.cached_property
+    def _tasks(self) -> tuple[str, ...]:
+        return tuple(os.path.join(directory, "tasks") for directory in self.dirs)
+
+    @functools.cached_property
+    def _home_tasks(self) -> tuple[str, ...]:
+        return tuple(os.path.join(directory, "tasks") for directory in self.homes)
+
+    def exists(self) -> bool:
+        return all(map(os.path.isdir, self.dirs))
+
     def add(self, pid: int) -> None:
         """Move a process into the group; what it starts from then on is in it too."""
-        _write_each(self.dirs, "cgroup.procs", str(pid))
+        _write_each(self._procs, str(pid).encode())
 
     @contextlib.contextmanager
     def joined_by_this_thread(self) -> Iterator[None]:
@@ -54,18 +71,18 @@ class CallGroup:
         lock (0.2 ms at p99). The thread goes home even if the spawn fails. While it is inside, the
         pool process's own page faults are charged to the group: one vfork and exec, next to nothing.
         """
-        _write_each(self.dirs, "tasks", "0")  # "0" is the writing thread itself
+        _write_each(self._tasks, b"0")  # "0" is the writing thread itself
         try:
             yield
         finally:
-            _write_each(self.homes, "tasks", "0")
+            _write_each(self._home_tasks, b"0")
 
 
-def _write_each(directories: tuple[Path, ...], name: str, value: str) -> None:
-    for directory in directories:
-        fd = os.open(directory / name, os.O_WRONLY)
+def _write_each(paths: tuple[str, ...], value: bytes) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_WRONLY)
         try:
-            os.write(fd, value.encode())
+            os.write(fd, value)
         finally:
             os.close(fd)
 
@@ -94,7 +111,7 @@ class Cgroups:
         again rather than failing every later call.
         """
         pid = os.getpid()
-        if self._own is None or self._own[0] != pid or not all(d.is_dir() for d in self._own[1].dirs):
+        if self._own is None or self._own[0] != pid or not self._own[1].exists():
             self._own = (pid, self.create(group_name(pid, self._generation)))
         return self._own[1]
 
@@ -263,10 +280,19 @@ def charged_bytes(group: CallGroup) -> int | None:
     for kind, name in (("v2", "memory.current"), ("memory", "memory.usage_in_bytes")):
         if (directory := group.directory(kind)) is not None:
             try:
-                return int((directory / name).read_text())
+                return int(read_bytes(os.path.join(directory, name)))
             except (OSError, ValueError):
                 return None
     return None
+
+
+def read_bytes(path: str) -> bytes:
+    """A small cgroup file at once (no buffered file object: these are read around every call)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
 
 
 def remove_now(group: CallGroup) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.endings import UNMEASURED, Usage
-from workers.cgroups import CallGroup, Cgroups
+from workers.cgroups import CallGroup, Cgroups, read_bytes
 
 log = logging.getLogger("runwarden.usage")
 
@@ -61,12 +61,11 @@ def start(group: CallGroup) -> Meter:
         return NO_METER
 
 
-def _read(path: Path) -> bytes:
-    with open(path, "rb") as file:
-        return file.read()
+def _read(path: Path | str) -> bytes:
+    return read_bytes(str(path))
 
 
-def _write(path: Path, value: bytes) -> None:
+def _write(path: Path | str, value: bytes) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
         os.write(fd, value)
@@ -74,25 +73,29 @@ def _write(path: Path, value: bytes) -> None:
         os.close(fd)
 
 
-def _keyed(path: Path, key: bytes) -> int:
+def _keyed(path: Path | str, key: bytes) -> int:
     """A value of a flat-keyed file (`name value` lines: memory.oom_control, memory.events, cpu.stat)."""
     for line in _read(path).splitlines():
         name, _, value = line.partition(b" ")
         if name == key:
             return int(value)
-    raise KeyError(f"{path.name} has no {key.decode()}")
+    raise KeyError(f"{os.path.basename(path)} has no {key.decode()}")
 
 
 class _V1Meter:
     def __init__(self, memory: Path, cpuacct: Path | None, started: dict[str, Any] | None = None) -> None:
         self.memory, self.cpuacct = memory, cpuacct
+        # Read at the start and the stop of every call: joined once, as strings.
+        self._peak = os.path.join(memory, "memory.max_usage_in_bytes")
+        self._oom = os.path.join(memory, "memory.oom_control")
+        self._cpu = os.path.join(cpuacct, "cpuacct.usage") if cpuacct is not None else None
         if started is not None:  # resumed: started by another process (see handover)
             self.held, self.oom_kills, self.cpu_ns = started["held"], started["oom_kills"], started["cpu_ns"]
             return
-        _write(memory / "memory.max_usage_in_bytes", b"0")  # the mark restarts at what the group holds now
-        self.held = int(_read(memory / "memory.max_usage_in_bytes"))
-        self.oom_kills = _keyed(memory / "memory.oom_control", b"oom_kill")
-        self.cpu_ns = int(_read(cpuacct / "cpuacct.usage")) if cpuacct is not None else None
+        _write(self._peak, b"0")  # the mark restarts at what the group holds now
+        self.held = int(_read(self._peak))
+        self.oom_kills = _keyed(self._oom, b"oom_kill")
+        self.cpu_ns = int(_read(self._cpu)) if self._cpu is not None else None
 
     def handover(self) -> tuple[dict[str, Any], list[int]]:
         return {"kind": "v1", "memory": str(self.memory), "cpuacct": str(self.cpuacct) if self.cpuacct else None,
@@ -100,11 +103,11 @@ class _V1Meter:
 
     def stop(self) -> Usage:
         try:
-            peak = int(_read(self.memory / "memory.max_usage_in_bytes")) - self.held
-            oom_kills = _keyed(self.memory / "memory.oom_control", b"oom_kill") - self.oom_kills
+            peak = int(_read(self._peak)) - self.held
+            oom_kills = _keyed(self._oom, b"oom_kill") - self.oom_kills
             cpu_ms = None
-            if self.cpuacct is not None and self.cpu_ns is not None:
-                cpu_ms = (int(_read(self.cpuacct / "cpuacct.usage")) - self.cpu_ns) // 1_000_000
+            if self._cpu is not None and self.cpu_ns is not None:
+                cpu_ms = (int(_read(self._cpu)) - self.cpu_ns) // 1_000_000
         except (OSError, ValueError, KeyError) as exc:
             log.warning("cannot read the call's cgroup (%s): its usage is null", exc)
             return UNMEASURED

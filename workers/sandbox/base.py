@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import resource
+import _signal
 import signal
 import subprocess
 import threading
@@ -201,7 +202,7 @@ def let_commands_start_with_default_signals() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread may set handlers; pool processes spawn from it
     for signum in _RESET_SIGNALS:
-        if signal.getsignal(signum) == signal.SIG_IGN:
+        if _signal.getsignal(signum) == _signal.SIG_IGN:  # `_signal`: no enum made per signal per spawn
             signal.signal(signum, _swallow)
 
 

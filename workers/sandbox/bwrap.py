@@ -65,7 +65,10 @@ class BwrapRunner(ColdRunner):
         self._setpriv_bwrap = "bwrap" if on_default_path else bwrap
         self.etc_dir = etc_dir
         self._binds_by_fd = "--bind-fd" in features
-        self._system = self._system_options()
+        # The options every sandbox shares, before and after its own, encoded once for the --args memfd.
+        self._system = _nul_joined(self._system_options())
+        self._environment = _nul_joined(["--chdir", SANDBOX_HOME, "--clearenv",
+                                         *(arg for item in environment().items() for arg in ("--setenv", *item))])
         self._limits = backstop_ulimits(limits, cgroups is not None)
         self._setpriv_ids = _names_for(host_uid) if host_uid is not None else ("", "")
 
@@ -88,11 +91,12 @@ class BwrapRunner(ColdRunner):
         # /run is a directory of the sandbox's own root tmpfs: as private as a tmpfs of its own, one mount fewer.
         return args + ["--proc", "/proc", "--dev", "/dev", *tmp_size, "--tmpfs", "/tmp", "--dir", "/run"]
 
-    def argv(self, workspace: Path, network: bool, info_fd: int, block_fd: int | None = None,
-             binds: list[tuple[str, int]] | None = None, status_option: str = "--info-fd") -> list[str]:
-        """`binds`: (path in the workspace, fd opened on it) of a partial view; None: all of it.
-        The command is not in it: the sandbox's bash reads it from its stdin (base.frame)."""
-        args = [self.bwrap, status_option, str(info_fd), *self._system]
+    def options(self, workspace: Path, network: bool, info_fd: int, block_fd: int | None = None,
+                binds: list[tuple[str, int]] | None = None, status_option: str = "--info-fd") -> bytes:
+        """bwrap's options, as its `--args` memfd holds them (each ends with a NUL). `binds`: (path
+        in the workspace, fd opened on it) of a partial view; None: all of it. The command is not in
+        them: the sandbox's bash reads it from its stdin (base.frame)."""
+        args = [status_option, str(info_fd)]
         if block_fd is not None:
             args += ["--block-fd", str(block_fd)]  # set up, then wait for us before starting the command
         if network:
@@ -101,11 +105,12 @@ class BwrapRunner(ColdRunner):
                 if os.path.exists(path):
                     args += ["--ro-bind", path, path]  # over the placeholders build_etc left
         args += self._workspace_options(workspace, binds)
-        args += ["--chdir", SANDBOX_HOME, "--clearenv"]
-        for key, value in environment().items():
-            args += ["--setenv", key, value]
+        return self._system + _nul_joined(args) + self._environment
+
+    def command(self, binds: list[tuple[str, int]] | None = None) -> list[str]:
+        """What bwrap runs in the sandbox: its one bash, which sets the limits and reads the command."""
         checks = "" if binds is None or self._binds_by_fd else _fd_checks(binds)
-        return args + ["--", "/bin/bash", "-c", self._limits + checks + COMMAND_READER, "/bin/bash"]
+        return ["/bin/bash", "-c", self._limits + checks + COMMAND_READER, "/bin/bash"]
 
     def _workspace_options(self, workspace: Path, binds: list[tuple[str, int]] | None) -> list[str]:
         """The whole workspace (one mount: the `**` grant stays as cheap as it was), or only the
@@ -174,16 +179,14 @@ class BwrapRunner(ColdRunner):
         # bwrap's options travel through a memfd (`--args`), so the sandbox's /proc/1/cmdline does not
         # show host paths such as the workspaces root.
         options = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
-        argv = self.argv(workspace, network, info_write, block_read, binds,
-                         "--json-status-fd" if json_status else "--info-fd")
-        split = argv.index("--")
-        os.write(options, b"\0".join(arg.encode() for arg in argv[1:split]) + b"\0")
+        os.write(options, self.options(workspace, network, info_write, block_read, binds,
+                                       "--json-status-fd" if json_status else "--info-fd"))
         os.lseek(options, 0, os.SEEK_SET)
         stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
         popen = None
         try:
             with cgroup.joined_by_this_thread() if cgroup and born_inside else contextlib.nullcontext():
-                popen = self._popen(argv[split:], options, stdin_read,
+                popen = self._popen(["--", *self.command(binds)], options, stdin_read,
                                     [info_write, options, block_read, *(fd for _, fd in binds or ())])
         except BaseException:
             if popen is not None:  # started, but this thread could not leave the call's cgroup
@@ -317,6 +320,10 @@ def _fd_checks(binds: list[tuple[str, int]]) -> str:
                       "echo 'runwarden: the workspace changed while the sandbox started; run again' >&2; "
                       "exit 125; fi; ")
     return "".join(checks)
+
+
+def _nul_joined(args: list[str]) -> bytes:
+    return b"".join(arg.encode() + b"\0" for arg in args)
 
 
 def _close(*fds: int | None) -> None:
