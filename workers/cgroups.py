@@ -80,11 +80,7 @@ class CallGroup:
 
 def _write_each(paths: tuple[str, ...], value: bytes) -> None:
     for path in paths:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, value)
-        finally:
-            os.close(fd)
+        write_bytes(path, value)
 
 
 class Cgroups:
@@ -286,11 +282,20 @@ def charged_bytes(group: CallGroup) -> int | None:
     return None
 
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str | os.PathLike[str]) -> bytes:
     """A small cgroup file at once (no buffered file object: these are read around every call)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.read(fd, 65536)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike[str], value: bytes) -> None:
+    """One write to a cgroup file (each write is one command to the kernel: a pid, a limit, a reset)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value)
     finally:
         os.close(fd)
 

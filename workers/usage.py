@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.endings import UNMEASURED, Usage
-from workers.cgroups import CallGroup, Cgroups, read_bytes
+from workers.cgroups import CallGroup, Cgroups, read_bytes, write_bytes
 
 log = logging.getLogger("runwarden.usage")
 
@@ -61,21 +61,9 @@ def start(group: CallGroup) -> Meter:
         return NO_METER
 
 
-def _read(path: Path | str) -> bytes:
-    return read_bytes(str(path))
-
-
-def _write(path: Path | str, value: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, value)
-    finally:
-        os.close(fd)
-
-
 def _keyed(path: Path | str, key: bytes) -> int:
     """A value of a flat-keyed file (`name value` lines: memory.oom_control, memory.events, cpu.stat)."""
-    for line in _read(path).splitlines():
+    for line in read_bytes(path).splitlines():
         name, _, value = line.partition(b" ")
         if name == key:
             return int(value)
@@ -92,10 +80,10 @@ class _V1Meter:
         if started is not None:  # resumed: started by another process (see handover)
             self.held, self.oom_kills, self.cpu_ns = started["held"], started["oom_kills"], started["cpu_ns"]
             return
-        _write(self._peak, b"0")  # the mark restarts at what the group holds now
-        self.held = int(_read(self._peak))
+        write_bytes(self._peak, b"0")  # the mark restarts at what the group holds now
+        self.held = int(read_bytes(self._peak))
         self.oom_kills = _keyed(self._oom, b"oom_kill")
-        self.cpu_ns = int(_read(self._cpu)) if self._cpu is not None else None
+        self.cpu_ns = int(read_bytes(self._cpu)) if self._cpu is not None else None
 
     def handover(self) -> tuple[dict[str, Any], list[int]]:
         return {"kind": "v1", "memory": str(self.memory), "cpuacct": str(self.cpuacct) if self.cpuacct else None,
@@ -103,11 +91,11 @@ class _V1Meter:
 
     def stop(self) -> Usage:
         try:
-            peak = int(_read(self._peak)) - self.held
+            peak = int(read_bytes(self._peak)) - self.held
             oom_kills = _keyed(self._oom, b"oom_kill") - self.oom_kills
             cpu_ms = None
             if self._cpu is not None and self.cpu_ns is not None:
-                cpu_ms = (int(_read(self._cpu)) - self.cpu_ns) // 1_000_000
+                cpu_ms = (int(read_bytes(self._cpu)) - self.cpu_ns) // 1_000_000
         except (OSError, ValueError, KeyError) as exc:
             log.warning("cannot read the call's cgroup (%s): its usage is null", exc)
             return UNMEASURED
